@@ -1,0 +1,236 @@
+"""Plain Python values to pagedserve.v1 request messages, shared by the sync and the asyncio client.
+
+Every builder leaves a field with presence unset when its argument is None, so the server applies the default
+that API.md gives; an explicit 0 / False / 0.0 is sent as such.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Union
+
+from .v1 import inference_pb2 as pb
+
+SERVICE_NAME = "pagedserve.v1.InferenceService"
+HEALTH_SERVICE_NAME = "grpc.health.v1.Health"
+DEFAULT_TARGET = "127.0.0.1:50051"
+# Unary RPCs are retried on UNAVAILABLE; Generate (server streaming) and EmbedStream (bidi) never are.
+RETRIED_METHODS = ("Embed", "Tokenize", "Detokenize", "GetModelInfo", "Abort")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# One chat turn: ("user", "hi"), {"role": "user", "content": "hi"} or a ChatMessage.
+Message = Union[tuple[str, str], Mapping[str, str], pb.ChatMessage]
+
+
+class GenerationResult(NamedTuple):
+    """The outcome of one completion, as generate_text() returns it."""
+
+    text: str  # the whole completion text (deltas joined)
+    finish_reason: str  # FinishReason name without prefix: "STOP", "LENGTH" or "ABORT"
+    usage: pb.Usage  # prompt_tokens, completion_tokens, cached_prompt_tokens of the request
+
+
+def service_config_json(max_attempts: int = 4) -> str:
+    """gRPC service config (JSON): retry the unary methods on UNAVAILABLE with exponential backoff.
+
+    Backoff per gRFC A6: the n-th retry waits a random time in [0, min(0.1 s * 2**(n-1), 2 s)].
+    """
+    names = [{"service": SERVICE_NAME, "method": m} for m in RETRIED_METHODS]
+    names.append({"service": HEALTH_SERVICE_NAME, "method": "Check"})
+    policy = {
+        "maxAttempts": max_attempts,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})
+
+
+def channel_options(user_options: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
+    """The client's default channel options (retries, 64 MiB messages) with user_options overriding by key."""
+    merged: dict[str, Any] = {
+        "grpc.enable_retries": 1,
+        "grpc.service_config": service_config_json(),
+        "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
+        "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+    }
+    for key, value in user_options or ():
+        merged[key] = value
+    return list(merged.items())
+
+
+def sampling_params(
+    *,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    stop: str | Iterable[str] | None = None,
+    stop_token_ids: Iterable[int] | None = None,
+    include_stop_str_in_output: bool | None = None,
+    ignore_eos: bool | None = None,
+    n: int | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    skip_special_tokens: bool | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    truncate_prompt_tokens: int | None = None,
+) -> pb.SamplingParams:
+    """Build a SamplingParams message; meanings and defaults as in API.md (vLLM SamplingParams semantics).
+
+    None leaves a field unset (the server default applies). `stop` may be one string or several.
+    Raises TypeError for a value protobuf rejects (e.g. a str for an int field), ValueError for a negative
+    value in an unsigned field.
+    """
+    scalars = {
+        "max_tokens": max_tokens, "min_tokens": min_tokens, "temperature": temperature, "top_p": top_p,
+        "top_k": top_k, "min_p": min_p, "seed": seed, "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty,
+        "include_stop_str_in_output": include_stop_str_in_output, "ignore_eos": ignore_eos, "n": n,
+        "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "skip_special_tokens": skip_special_tokens,
+        "truncate_prompt_tokens": truncate_prompt_tokens,
+    }
+    params = pb.SamplingParams()
+    for name, value in scalars.items():
+        if value is not None:
+            setattr(params, name, value)
+    if stop is not None:
+        params.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    if stop_token_ids is not None:
+        params.stop_token_ids.extend(stop_token_ids)
+    for token_id, bias in (logit_bias or {}).items():
+        params.logit_bias[int(token_id)] = float(bias)
+    return params
+
+
+def chat_messages(messages: Iterable[Message]) -> pb.ChatMessages:
+    """Chat turns as (role, content) pairs, {"role", "content"} dicts or ChatMessage to a ChatMessages message.
+
+    Raises TypeError for any other item, KeyError for a dict without "role" or "content".
+    """
+    out = pb.ChatMessages()
+    for item in messages:
+        if isinstance(item, pb.ChatMessage):
+            out.messages.append(item)
+        elif isinstance(item, Mapping):
+            out.messages.add(role=item["role"], content=item["content"])
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            out.messages.add(role=item[0], content=item[1])
+        else:
+            raise TypeError(f"a chat message is (role, content), a dict or a ChatMessage, not {item!r}")
+    return out
+
+
+def generate_request(
+    prompt: str | None = None,
+    *,
+    prompt_token_ids: Iterable[int] | None = None,
+    messages: Iterable[Message] | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    cache_salt: str = "",
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """Build a GenerateRequest with exactly one input (prompt | prompt_token_ids | messages).
+
+    `sampling` takes the keyword arguments of sampling_params(). Raises ValueError unless exactly one input is
+    given, TypeError for an unknown sampling keyword.
+    """
+    given = [name for name, value in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
+                                      ("messages", messages)) if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of prompt, prompt_token_ids, messages (got {given or 'none'})")
+    request = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt,
+                                 sampling=sampling_params(**sampling))
+    if prompt is not None:
+        request.prompt = prompt
+    elif prompt_token_ids is not None:
+        request.prompt_token_ids.ids.extend(prompt_token_ids)
+    else:
+        request.messages.CopyFrom(chat_messages(messages))
+    return request
+
+
+def embed_request(inputs: str | Iterable[str], normalize: bool | None = None, truncate: bool | None = None,
+                  dimensions: int | None = None, request_id: str = "") -> pb.EmbedRequest:
+    """Build an EmbedRequest; one string is a batch of one. None leaves normalize/truncate/dimensions unset."""
+    request = pb.EmbedRequest(inputs=[inputs] if isinstance(inputs, str) else list(inputs), request_id=request_id)
+    if normalize is not None:
+        request.normalize = normalize
+    if truncate is not None:
+        request.truncate = truncate
+    if dimensions is not None:
+        request.dimensions = dimensions
+    return request
+
+
+def tokenize_request(text: str | None = None, *, messages: Iterable[Message] | None = None,
+                     add_special_tokens: bool | None = None,
+                     add_generation_prompt: bool | None = None) -> pb.TokenizeRequest:
+    """Build a TokenizeRequest from text or chat messages (exactly one). Raises ValueError otherwise."""
+    if (text is None) == (messages is None):
+        raise ValueError("give exactly one of text, messages")
+    request = pb.TokenizeRequest()
+    if text is not None:
+        request.text = text
+    else:
+        request.messages.CopyFrom(chat_messages(messages))
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    if add_generation_prompt is not None:
+        request.add_generation_prompt = add_generation_prompt
+    return request
+
+
+def detokenize_request(token_ids: Iterable[int], skip_special_tokens: bool | None = None) -> pb.DetokenizeRequest:
+    """Build a DetokenizeRequest; None leaves skip_special_tokens unset (server default true)."""
+    request = pb.DetokenizeRequest(token_ids=list(token_ids))
+    if skip_special_tokens is not None:
+        request.skip_special_tokens = skip_special_tokens
+    return request
+
+
+def abort_request(request_ids: str | Iterable[str]) -> pb.AbortRequest:
+    """Build an AbortRequest; one string is one id."""
+    return pb.AbortRequest(request_ids=[request_ids] if isinstance(request_ids, str) else list(request_ids))
+
+
+def finish_reason_name(value: int) -> str:
+    """FinishReason enum value to its short name: 1 -> "STOP" (UNSPECIFIED while a completion runs)."""
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_")
+
+
+class TextAccumulator:
+    """Joins the streamed deltas of a single-completion request into a GenerationResult."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._finish_reason = pb.FINISH_REASON_UNSPECIFIED
+        self._usage = pb.Usage()
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        """Take one streamed response. Raises ValueError for a completion index other than 0."""
+        if response.index != 0:
+            raise ValueError(f"generate_text() handles n == 1 only; got completion index {response.index}")
+        self._parts.append(response.text)
+        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self._finish_reason = response.finish_reason
+        if response.HasField("usage"):
+            self._usage.CopyFrom(response.usage)
+
+    def result(self) -> GenerationResult:
+        """The joined text, the finish reason name and the usage seen so far."""
+        return GenerationResult("".join(self._parts), finish_reason_name(self._finish_reason), self._usage)
+
+
+def check_single_completion(sampling: Mapping[str, Any]) -> None:
+    """generate_text() joins one completion: raise ValueError when n asks for more."""
+    if sampling.get("n") not in (None, 1):
+        raise ValueError("generate_text() handles n == 1 only; use generate() for n > 1")

@@ -1,0 +1,233 @@
+"""`pagedserve-client`: command line client for a pagedserve server.
+
+    pagedserve-client [--target HOST:PORT] [--timeout S] generate "prompt" [sampling flags] [--chat] [--json]
+    pagedserve-client embed TEXT... [--no-normalize] [--truncate] [--dimensions K]
+    pagedserve-client tokenize TEXT | detokenize ID... | info | health [--service S] | abort ID...
+
+Exit status: 0 ok; 1 on a gRPC error ("error: <CODE>: <details>" on stderr) or, for health, a status other
+than SERVING; 2 on bad command line arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from . import _convert
+from .client import PagedServeClient
+from .v1 import inference_pb2 as pb
+
+# SamplingParams field -> (CLI flag, kind). kind: int | float | bool | "str*" (repeatable) | "int*" | "bias*".
+SAMPLING_FLAGS: dict[str, tuple[str, Any]] = {
+    "max_tokens": ("--max-tokens", int),
+    "min_tokens": ("--min-tokens", int),
+    "temperature": ("--temperature", float),
+    "top_p": ("--top-p", float),
+    "top_k": ("--top-k", int),
+    "min_p": ("--min-p", float),
+    "seed": ("--seed", int),
+    "presence_penalty": ("--presence-penalty", float),
+    "frequency_penalty": ("--frequency-penalty", float),
+    "repetition_penalty": ("--repetition-penalty", float),
+    "stop": ("--stop", "str*"),
+    "stop_token_ids": ("--stop-token-id", "int*"),
+    "include_stop_str_in_output": ("--include-stop-str-in-output", bool),
+    "ignore_eos": ("--ignore-eos", bool),
+    "n": ("--n", int),
+    "logprobs": ("--logprobs", int),
+    "prompt_logprobs": ("--prompt-logprobs", int),
+    "skip_special_tokens": ("--skip-special-tokens", bool),
+    "logit_bias": ("--logit-bias", "bias*"),
+    "truncate_prompt_tokens": ("--truncate-prompt-tokens", int),
+}
+
+
+def _logit_bias_item(text: str) -> tuple[int, float]:
+    token_id, sep, bias = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}")
+    return int(token_id), float(bias)
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (unset flags leave the server default)")
+    for field, (flag, kind) in SAMPLING_FLAGS.items():
+        help_text = f"SamplingParams.{field}"
+        if kind is bool:
+            group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        elif kind in ("str*", "int*", "bias*"):
+            item_type = {"str*": str, "int*": int, "bias*": _logit_bias_item}[kind]
+            group.add_argument(flag, dest=field, action="append", type=item_type, default=None,
+                               help=f"{help_text} (repeatable)")
+        else:
+            group.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `pagedserve-client` (reads PAGEDSERVE_TARGET for the --target default)."""
+    parser = argparse.ArgumentParser(prog="pagedserve-client", description="Client for a pagedserve gRPC server.")
+    parser.add_argument("--target", default=os.environ.get("PAGEDSERVE_TARGET", _convert.DEFAULT_TARGET),
+                        help="server host:port (default: $PAGEDSERVE_TARGET or %(default)s)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion to stdout")
+    gen.add_argument("prompt", nargs="?", help='prompt text; "-" reads stdin')
+    gen.add_argument("--token-ids", type=int, nargs="+", help="send token ids instead of a prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--system", help="system message (implies --chat)")
+    gen.add_argument("--request-id", default="")
+    gen.add_argument("--priority", type=int, default=0, help="lower is served first")
+    gen.add_argument("--cache-salt", default="")
+    gen.add_argument("--json", action="store_true", help="print each response as a JSON line")
+    _add_sampling_flags(gen)
+
+    emb = sub.add_parser("embed", help="embed texts; prints JSON vectors")
+    emb.add_argument("texts", nargs="+", metavar="TEXT")
+    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
+    emb.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None)
+    emb.add_argument("--dimensions", type=int, default=None)
+
+    tok = sub.add_parser("tokenize", help="text to token ids (JSON)")
+    tok.add_argument("text")
+    tok.add_argument("--chat", action="store_true", help="tokenize the text as a user chat message")
+    tok.add_argument("--system", help="system message (implies --chat)")
+    tok.add_argument("--add-special-tokens", action=argparse.BooleanOptionalAction, default=None)
+    tok.add_argument("--add-generation-prompt", action=argparse.BooleanOptionalAction, default=None)
+
+    detok = sub.add_parser("detokenize", help="token ids to text")
+    detok.add_argument("ids", type=int, nargs="+", metavar="ID")
+    detok.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=None)
+
+    sub.add_parser("info", help="served models and KV cache (JSON)")
+    health = sub.add_parser("health", help="gRPC health check; exit 0 only when SERVING")
+    health.add_argument("--service", default="", help='"" (the process) or pagedserve.v1.InferenceService')
+    abort = sub.add_parser("abort", help="abort requests by id")
+    abort.add_argument("ids", nargs="+", metavar="ID")
+    return parser
+
+
+def _chat_or_none(args: argparse.Namespace, text: str) -> list[tuple[str, str]] | None:
+    if not (args.chat or args.system is not None):
+        return None
+    system = [("system", args.system)] if args.system is not None else []
+    return [*system, ("user", text)]
+
+
+def _to_json(message: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+
+
+def _generate_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    if (args.prompt is None) == (args.token_ids is None):
+        raise ValueError("give a prompt or --token-ids (exactly one)")
+    if args.token_ids is not None:
+        return {"prompt_token_ids": args.token_ids}
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    messages = _chat_or_none(args, prompt)
+    return {"messages": messages} if messages is not None else {"prompt": prompt}
+
+
+def _run_generate(client: PagedServeClient, args: argparse.Namespace) -> int:
+    sampling = {field: getattr(args, field) for field in SAMPLING_FLAGS if getattr(args, field) is not None}
+    if "logit_bias" in sampling:
+        sampling["logit_bias"] = dict(sampling["logit_bias"])
+    stream = client.generate(**_generate_inputs(args), request_id=args.request_id, priority=args.priority,
+                             cache_salt=args.cache_salt, **sampling)
+    multi = (args.n or 1) > 1
+    texts: dict[int, list[str]] = {}
+    summary: list[str] = []
+    usage = None
+    try:
+        for response in stream:
+            if args.json:
+                sys.stdout.write(json.dumps(_to_json(response), ensure_ascii=False) + "\n")
+            elif not multi:
+                sys.stdout.write(response.text)
+            else:
+                texts.setdefault(response.index, []).append(response.text)
+            if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                summary.append(_finish_line(response, multi))
+                if multi and not args.json:
+                    sys.stdout.write(f"--- completion {response.index} ---\n{''.join(texts[response.index])}\n")
+            if response.HasField("usage"):
+                usage = response.usage
+            sys.stdout.flush()
+    finally:
+        stream.close()
+    if not args.json and not multi and sys.stdout.isatty():
+        sys.stdout.write("\n")
+    for line in summary:
+        print(line, file=sys.stderr)
+    if usage is not None:
+        print(f"usage: prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens} "
+              f"cached_prompt_tokens={usage.cached_prompt_tokens}", file=sys.stderr)
+    return 0
+
+
+def _finish_line(response: pb.GenerateResponse, multi: bool) -> str:
+    parts = [f"index={response.index}"] if multi else []
+    parts.append(f"finish_reason={_convert.finish_reason_name(response.finish_reason)}")
+    which = response.WhichOneof("matched_stop")
+    if which is not None:
+        parts.append(f"matched_stop={json.dumps(getattr(response, which), ensure_ascii=False)}")
+    parts.append(f"request_id={response.request_id}")
+    return " ".join(parts)
+
+
+def _run_other(client: PagedServeClient, args: argparse.Namespace) -> int:
+    """Every subcommand but generate; prints its result to stdout."""
+    if args.command == "embed":
+        response = client.embed(args.texts, args.normalize, args.truncate, args.dimensions)
+        out: Any = {"embeddings": [list(e.values) for e in response.embeddings],
+                    "usage": {"prompt_tokens": response.usage.prompt_tokens}}
+    elif args.command == "tokenize":
+        messages = _chat_or_none(args, args.text)
+        response = client.tokenize(None if messages else args.text, messages=messages,
+                                   add_special_tokens=args.add_special_tokens,
+                                   add_generation_prompt=args.add_generation_prompt)
+        out = {"token_ids": list(response.token_ids), "tokens": list(response.tokens)}
+    elif args.command == "detokenize":
+        print(client.detokenize(args.ids, args.skip_special_tokens))
+        return 0
+    elif args.command == "info":
+        out = _to_json(client.model_info())
+    elif args.command == "health":
+        status = client.health(args.service)
+        print(status)
+        return 0 if status == "SERVING" else 1
+    else:
+        out = {"aborted_request_ids": client.abort(args.ids)}
+    print(json.dumps(out, ensure_ascii=False))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on argv (default sys.argv[1:]); returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        with PagedServeClient(args.target, timeout_s=args.timeout) as client:
+            if args.command == "generate":
+                return _run_generate(client, args)
+            return _run_other(client, args)
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: CANCELLED: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

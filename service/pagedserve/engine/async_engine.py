@@ -1,0 +1,185 @@
+"""The asyncio front of the engine: the step loop runs on its own thread and never blocks the event loop.
+
+Callers on the event loop submit commands (add, abort) through a thread-safe queue; the engine thread wakes on an
+event (no polling), runs steps while there is work, and hands each step's deltas back to the loop in one
+``call_soon_threadsafe``. Each request has an asyncio queue its ``generate()`` iterator reads. Leaving the iterator
+early (client cancel, deadline) aborts the request, which frees its KV blocks at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+
+from ..errors import DuplicateRequestError, EngineUnavailableError
+from .llm_engine import CompletionDelta, LLMEngine
+from .sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+class AsyncEngine:
+    """Runs an :class:`LLMEngine` on a background thread.
+
+    Args:
+        engine: the engine (owned by the thread from :meth:`start` on).
+        on_dead: called on the event loop once, with the exception, if the step loop dies.
+    """
+
+    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None):
+        self.engine = engine
+        self._on_dead = on_dead
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort everything still live and stop the thread."""
+        if self._thread is None:
+            return
+        await self.abort(list(self._streams))
+        self._stopping = True
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- API for the servicer ----------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[CompletionDelta]:
+        """Queue a request and yield its deltas until every completion has finished.
+
+        Raises (before the first delta):
+            DuplicateRequestError, InvalidInputError, QueueFullError: from validation.
+            EngineUnavailableError: shutting down or the engine died (also raised mid-stream).
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise DuplicateRequestError(f"request {request_id!r} is already running", "request_id")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await self._submit(self.engine.add_request, request_id, prompt_token_ids, params, priority, cache_salt)
+            remaining = params.n
+            while remaining:
+                delta = await stream.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                if delta.error is not None:
+                    finished = True
+                    raise delta.error
+                if delta.finish_reason is not None:
+                    remaining -= 1
+                finished = remaining == 0
+                yield delta
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.dead is None and not self._stopping:
+                self._commands.put((self._abort_quiet, ([request_id],), None))
+                self._wakeup.set()
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort live requests; returns the ids that were live. Idempotent."""
+        if self.dead is not None or self._thread is None:
+            return []
+        aborted, deltas = await self._submit(self.engine.abort, request_ids)
+        self._dispatch(deltas)
+        return aborted
+
+    async def call(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on the engine thread between steps (for reads that must not race a step)."""
+        return await self._submit(fn, *args)
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineUnavailableError(f"the engine has failed: {self.dead!r}")
+        if self._stopping or self._thread is None:
+            raise EngineUnavailableError("the engine is shutting down")
+
+    async def _submit(self, fn: Callable, *args):
+        self._check_alive()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, args, fut))
+        self._wakeup.set()
+        return await asyncio.wrap_future(fut)
+
+    def _abort_quiet(self, request_ids: list[str]) -> None:
+        _, deltas = self.engine.abort(request_ids)
+        if deltas:
+            self._loop.call_soon_threadsafe(self._dispatch, deltas)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, args, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(*args)
+            except Exception as exc:
+                if fut is None:
+                    log.exception("engine_command_failed")
+                else:
+                    fut.set_exception(exc)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait()
+                self._wakeup.clear()
+                self._drain_commands()
+                if self.engine.has_unfinished() and not self._stopping:
+                    deltas = self.engine.step()
+                    if deltas:
+                        self._loop.call_soon_threadsafe(self._dispatch, deltas)
+        except BaseException as exc:  # the step loop died: every open and new call gets UNAVAILABLE
+            log.exception("engine_loop_died")
+            self.dead = exc
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+        finally:
+            self._fail_pending_commands()
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                _, _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineUnavailableError("the engine stopped"))
+
+    def _dispatch(self, deltas: list[CompletionDelta]) -> None:
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
+            if stream is not None:
+                stream.put_nowait(d)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        err = EngineUnavailableError(f"the engine has failed: {exc!r}")
+        for stream in self._streams.values():
+            stream.put_nowait(err)
+        if self._on_dead is not None:
+            self._on_dead(exc)

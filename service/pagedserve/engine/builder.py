@@ -1,0 +1,112 @@
+"""Builds a ready :class:`LLMEngine` from an :class:`EngineConfig`: device, dtype, model, tokenizer, KV cache."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from ..config import EngineConfig
+from ..models.loader import ModelSource
+from ..models.registry import architecture_of, build_model
+from .llm_engine import LLMEngine
+from .model_runner import ModelRunner, allocate_kv_caches, kv_block_bytes
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What GetModelInfo and the startup line report."""
+
+    name: str
+    architecture: str
+    dtype: str
+    device: str
+    attention_backend: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    kv_block_bytes: int
+    prefix_caching: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def select_backend(name: str, device: torch.device):
+    """The attention backend for ``--attention-backend`` (see :func:`pagedserve.attention.select_attention_backend`)."""
+    from ..attention import select_attention_backend
+    return select_attention_backend(name, device)
+
+
+def eos_token_ids(source: ModelSource, tokenizer) -> frozenset[int]:
+    """EOS ids: the tokenizer's, plus ``generation_config.json``'s ``eos_token_id`` (an int or a list)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = os.path.join(source.directory, "generation_config.json")
+    if source.gguf_file is None and os.path.exists(gen_cfg):
+        eos = json.load(open(gen_cfg)).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=None) -> tuple[LLMEngine, EngineInfo]:
+    """Load the model and tokenizer and size the KV cache.
+
+    ``model``/``tokenizer``/``hf_config`` may be passed in (tests build random-weight models); otherwise they are
+    loaded from ``config.model``.
+
+    Raises:
+        FileNotFoundError: the model path is missing.
+        ValueError: unsupported architecture, or ``max_model_len`` larger than the model or the KV cache allows.
+    """
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    source = ModelSource.resolve(config.model) if model is None or tokenizer is None else None
+    hf_config = hf_config or (model.config if model is not None else source.load_config())
+    tokenizer = tokenizer or source.load_tokenizer()
+    if model is None:
+        model = build_model(source, hf_config, dtype, device)
+    backend = select_backend(config.attention_backend, device)
+    block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
+    num_blocks = config.num_kv_blocks or max(1, (config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+                                             // block_bytes)
+    capacity = num_blocks * config.block_size
+    model_max = int(hf_config.max_position_embeddings)
+    if config.max_model_len is not None:
+        if config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} > the model's {model_max}")
+        if config.max_model_len > capacity:
+            raise ValueError(f"max_model_len {config.max_model_len} > KV cache capacity {capacity} tokens "
+                             f"({num_blocks} blocks of {config.block_size}); give more --kv-cache-memory")
+        max_model_len = config.max_model_len
+    else:
+        max_model_len = min(model_max, capacity)
+    kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
+                                   model.head_dim, dtype, device)
+    runner = ModelRunner(model, backend, kv_caches, config.block_size, device)
+    engine = LLMEngine(config, runner, tokenizer, num_blocks, max_model_len,
+                       eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
+                       int(hf_config.vocab_size))
+    info = EngineInfo(name=config.model or (source.name if source else "custom"),
+                      architecture=architecture_of(hf_config), dtype=str(dtype).removeprefix("torch."),
+                      device=str(device), attention_backend=backend.name, max_model_len=max_model_len,
+                      vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
+                      kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching)
+    return engine, info

@@ -1,0 +1,293 @@
+"""Text embeddings with a BERT-family encoder, following a sentence-transformers model directory's own configuration
+(``modules.json``: Transformer -> Pooling -> optional Normalize; ``1_Pooling/config.json``;
+``sentence_bert_config.json``), as ``SentenceTransformer.encode`` computes them.
+
+Inputs are tokenized, sorted by length and run in micro-batches whose padded size stays under a token budget, so
+padding is small; vectors come back in input order. Padding keys are masked, so a text gives the same vector alone
+or in any batch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.errors import InvalidInputError
+from pagedserve.models.bert import BertEncoder, load_bert
+
+# sentence-transformers legacy Pooling config keys -> pooling mode names (newer configs store "pooling_mode").
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
+}
+POOLING_MODES = ("mean", "cls", "lasttoken")
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedResult:
+    """The answer to one :meth:`Embedder.embed` call."""
+
+    vectors: torch.Tensor   # [N, D'] float32 on CPU, row i for input i; D' = dimensions or the model's dimension
+    prompt_tokens: int      # tokens run through the model over all inputs, special tokens included, after truncation
+
+
+@dataclass(frozen=True, slots=True)
+class SentenceTransformersConfig:
+    """What a sentence-transformers directory says about the pipeline around the encoder."""
+
+    model_dir: str               # directory holding config.json, the weights and the tokenizer
+    pooling: str                 # one of POOLING_MODES
+    normalize: bool              # a Normalize module follows pooling (the model's vectors are unit length)
+    max_seq_length: int | None   # sentence_bert_config.json "max_seq_length", None when absent
+    do_lower_case: bool          # sentence_bert_config.json "do_lower_case": lowercase text before tokenizing
+
+
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _pooling_mode(pooling_dir: str) -> str:
+    cfg = _read_json(os.path.join(pooling_dir, "config.json"))
+    mode = cfg.get("pooling_mode")
+    if mode is None:
+        mode = [name for key, name in _LEGACY_POOLING_KEYS.items() if cfg.get(key)]
+    if isinstance(mode, list):
+        mode = mode[0] if len(mode) == 1 else tuple(mode)
+    if mode not in POOLING_MODES:
+        raise ValueError(f"{pooling_dir}: pooling mode {mode!r} is not supported; expected one of {POOLING_MODES}")
+    return mode
+
+
+def read_sentence_transformers_config(path: str) -> SentenceTransformersConfig:
+    """Read ``modules.json`` and the module configs under ``path``. A plain HF directory (no modules.json) gets
+    sentence-transformers' defaults: mean pooling, no Normalize.
+
+    Raises:
+        FileNotFoundError: a module's directory or config file named by modules.json is missing.
+        ValueError: a module type other than Transformer / Pooling / Normalize, or an unsupported pooling mode.
+    """
+    modules_path = os.path.join(path, "modules.json")
+    if not os.path.isfile(modules_path):
+        return SentenceTransformersConfig(path, "mean", False, None, False)
+    model_dir, pooling, normalize = path, "mean", False
+    for module in _read_json(modules_path):
+        kind = module["type"].rsplit(".", 1)[-1]
+        module_dir = os.path.join(path, module.get("path", ""))
+        if kind == "Transformer":
+            model_dir = module_dir
+        elif kind == "Pooling":
+            pooling = _pooling_mode(module_dir)
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ValueError(f"{path}: sentence-transformers module {module['type']!r} is not supported")
+    st_path = os.path.join(model_dir, "sentence_bert_config.json")
+    st_cfg = _read_json(st_path) if os.path.isfile(st_path) else {}
+    return SentenceTransformersConfig(model_dir, pooling, normalize, st_cfg.get("max_seq_length"),
+                                      bool(st_cfg.get("do_lower_case", False)))
+
+
+def pool(hidden: torch.Tensor, lengths: torch.Tensor, mode: str) -> torch.Tensor:
+    """Pool right-padded token states into one vector per row (sentence-transformers Pooling semantics).
+
+    Args:
+        hidden: ``[B, S, H]`` float32 hidden states; row b's real tokens are positions ``0 .. lengths[b]-1``.
+        lengths: ``[B]`` int64, each >= 1.
+        mode: "mean" (average of the real tokens), "cls" (first token), "lasttoken" (last real token).
+
+    Returns:
+        ``[B, H]`` float32.
+    """
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "lasttoken":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+    mask = (torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]).to(hidden.dtype)
+    summed = (hidden * mask[:, :, None]).sum(dim=1)
+    return summed / mask.sum(dim=1, keepdim=True).clamp(min=1e-9)
+
+
+def plan_micro_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
+    """Group input indices by length: sorted shortest first, a batch grows while ``rows * longest`` (its padded
+    token count) stays within ``max_batch_tokens``; a single longer input still gets a batch of its own."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if current and (len(current) + 1) * lengths[i] > max_batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class Embedder:
+    """Embeds texts with a BERT encoder plus sentence-transformers pooling / normalization.
+
+    ``embed`` is synchronous; a lock serializes calls, so it may be called from any one (or several) worker
+    threads, never on the asyncio event loop.
+    """
+
+    def __init__(self, model: BertEncoder, tokenizer, *, name: str, pooling: str, normalize_module: bool,
+                 max_input_tokens: int, do_lower_case: bool = False, max_batch_tokens: int = 8192):
+        if pooling not in POOLING_MODES:
+            raise ValueError(f"pooling {pooling!r} is not one of {POOLING_MODES}")
+        if not 0 < max_input_tokens <= model.config.max_position_embeddings:
+            raise ValueError(f"max_input_tokens {max_input_tokens} must be in "
+                             f"[1, max_position_embeddings={model.config.max_position_embeddings}]")
+        if max_batch_tokens <= 0:
+            raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+        self._model, self._tokenizer = model, tokenizer
+        self._name, self._pooling, self._normalize_module = name, pooling, normalize_module
+        self._max_input_tokens, self._do_lower_case = max_input_tokens, do_lower_case
+        self._max_batch_tokens = max_batch_tokens
+        param = next(model.parameters())
+        self._device, self._dtype = param.device, param.dtype
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                        *, max_batch_tokens: int = 8192, name: str | None = None) -> Embedder:
+        """Load a HF or sentence-transformers model directory (BERT family, safetensors weights).
+
+        ``max_input_tokens`` is sentence_bert_config.json's ``max_seq_length`` (else the tokenizer's
+        ``model_max_length``), capped by ``max_position_embeddings``. ``name`` defaults to ``path``.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist, or config.json / weights / a module config is missing.
+            ValueError: ``path`` is not a directory, or the model / pipeline is not supported.
+        """
+        from transformers import AutoTokenizer
+
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"embedding model path {path!r} does not exist")
+        if not os.path.isdir(path):
+            raise ValueError(f"embedding model path {path!r} is not a directory")
+        st = read_sentence_transformers_config(path)
+        model = load_bert(st.model_dir, device=device, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(st.model_dir)
+        limit = st.max_seq_length or tokenizer.model_max_length or model.config.max_position_embeddings
+        return cls(model, tokenizer, name=name or path, pooling=st.pooling, normalize_module=st.normalize,
+                   max_input_tokens=min(int(limit), model.config.max_position_embeddings),
+                   do_lower_case=st.do_lower_case, max_batch_tokens=max_batch_tokens)
+
+    tokenizer = property(lambda self: self._tokenizer, doc="the HF tokenizer (AutoTokenizer) of the model")
+    name = property(lambda self: self._name, doc="served model name (defaults to the load path)")
+    architecture = property(lambda self: self._model.config.architecture, doc="config.architectures[0]")
+    dtype = property(lambda self: str(self._dtype).removeprefix("torch."), doc='weights dtype, e.g. "float32"')
+    max_input_tokens = property(lambda self: self._max_input_tokens,
+                                doc="longest input in tokens, special tokens included")
+    dimension = property(lambda self: self._model.config.hidden_size, doc="length of a full embedding vector")
+    pooling = property(lambda self: self._pooling, doc='"mean", "cls" or "lasttoken"')
+    normalize_module = property(lambda self: self._normalize_module,
+                                doc="the model's pipeline ends in Normalize: its vectors are unit length")
+    max_batch_tokens = property(lambda self: self._max_batch_tokens,
+                                doc="padded tokens (rows * longest) per micro-batch, unless one input is longer")
+
+    def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
+        """Token ids per text, special tokens included ([CLS] ... [SEP] for BERT).
+
+        ``truncate`` keeps the first tokens so that each input is at most ``max_input_tokens`` long, special tokens
+        included (HF tokenizer truncation, as sentence-transformers does).
+
+        Raises:
+            InvalidInputError: field "inputs" for an empty list; "inputs[i]" for a non-string, or for an input longer
+                than ``max_input_tokens`` when ``truncate`` is false (the message gives both counts).
+        """
+        if not texts:
+            raise InvalidInputError("at least one input is required", field="inputs")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise InvalidInputError(f"must be a string, got {type(text).__name__}", field=f"inputs[{i}]")
+        if self._do_lower_case:
+            texts = [t.lower() for t in texts]
+        limit = self._max_input_tokens
+        ids = self._tokenizer(list(texts), add_special_tokens=True, truncation=truncate,
+                             max_length=limit if truncate else None, verbose=False)["input_ids"]
+        for i, seq in enumerate(ids):
+            if len(seq) > limit:
+                raise InvalidInputError(f"input has {len(seq)} tokens, more than the model's limit of {limit} "
+                                        f"tokens (set truncate to keep the first {limit})", field=f"inputs[{i}]")
+        return ids
+
+    def embed(self, texts: list[str], normalize: bool = True, truncate: bool = False,
+              dimensions: int | None = None) -> EmbedResult:
+        """Embed texts (``SentenceTransformer.encode(texts, normalize_embeddings=normalize,
+        truncate_dim=dimensions)`` semantics).
+
+        The model's pipeline (pooling, its Normalize module if any) gives ``[N, dimension]`` vectors; ``dimensions``
+        = k keeps the first k (Matryoshka, Kusupati et al. 2022); ``normalize`` then L2-normalizes each row.
+
+        Raises:
+            InvalidInputError: see :meth:`tokenize`; field "dimensions" when not in ``[1, dimension]``.
+        """
+        self._check_dimensions(dimensions)
+        with self._lock:
+            token_ids = self.tokenize(texts, truncate)
+            vectors = self._encode(token_ids)
+        return self._finish(vectors, token_ids, normalize, dimensions)
+
+    def embed_token_ids(self, token_ids: list[list[int]], normalize: bool = True,
+                        dimensions: int | None = None) -> EmbedResult:
+        """Like :meth:`embed` for already tokenized inputs (special tokens included, as :meth:`tokenize` gives).
+
+        Raises:
+            InvalidInputError: "inputs" for an empty list; "inputs[i]" for an empty, too long or out-of-vocabulary
+                sequence; "dimensions" as in :meth:`embed`.
+        """
+        self._check_dimensions(dimensions)
+        if not token_ids:
+            raise InvalidInputError("at least one input is required", field="inputs")
+        vocab_size = self._model.config.vocab_size
+        for i, seq in enumerate(token_ids):
+            if not 0 < len(seq) <= self._max_input_tokens:
+                raise InvalidInputError(f"input has {len(seq)} tokens; expected 1 to {self._max_input_tokens}",
+                                        field=f"inputs[{i}]")
+            if min(seq) < 0 or max(seq) >= vocab_size:
+                raise InvalidInputError(f"token ids must be in [0, {vocab_size})", field=f"inputs[{i}]")
+        with self._lock:
+            vectors = self._encode(token_ids)
+        return self._finish(vectors, token_ids, normalize, dimensions)
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is not None and not 0 < dimensions <= self.dimension:
+            raise InvalidInputError(f"must be in [1, {self.dimension}], got {dimensions}", field="dimensions")
+
+    def _finish(self, vectors: torch.Tensor, token_ids: list[list[int]], normalize: bool,
+                dimensions: int | None) -> EmbedResult:
+        if dimensions is not None:
+            vectors = vectors[:, :dimensions]
+        if normalize:
+            vectors = F.normalize(vectors, p=2, dim=-1)
+        return EmbedResult(vectors.contiguous(), sum(len(seq) for seq in token_ids))
+
+    def _encode(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """Pooled (and, with a Normalize module, normalized) vectors ``[N, dimension]`` float32 CPU, input order."""
+        out = torch.empty(len(token_ids), self.dimension, dtype=torch.float32)
+        lengths = [len(seq) for seq in token_ids]
+        with torch.inference_mode():
+            for batch in plan_micro_batches(lengths, self._max_batch_tokens):
+                out[batch] = self._forward_batch([token_ids[i] for i in batch])
+        if self._normalize_module:
+            out = F.normalize(out, p=2, dim=-1)
+        return out
+
+    def _forward_batch(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Run one right-padded micro-batch: ``[b, dimension]`` float32 on CPU."""
+        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+        width = int(lengths.max())
+        input_ids = torch.full((len(seqs), width), self._model.config.pad_token_id, dtype=torch.int64)
+        for row, seq in enumerate(seqs):
+            input_ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.int64)
+        padded = bool((lengths < width).any())
+        mask = torch.arange(width)[None, :] < lengths[:, None] if padded else None
+        hidden = self._model(input_ids.to(self._device), None if mask is None else mask.to(self._device))
+        lengths = lengths.to(self._device)
+        return pool(hidden.float(), lengths, self._pooling).cpu()

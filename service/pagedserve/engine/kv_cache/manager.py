@@ -1,0 +1,136 @@
+"""KV cache manager: block tables, prefix-cache lookups and the accounting the scheduler relies on.
+
+Only full, immutable blocks are ever shared; a request's last partial block is private. Full blocks are hashed as a
+chain ``sha256(parent_hash, token_ids, extra_keys)`` (vLLM v1's automatic prefix caching) and cached as soon as the
+step that computes them is scheduled: within one forward, every layer writes the step's K/V before any attention
+reads them, so a request scheduled later in the same step may already use them.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from ..request import Request
+from .block_pool import BlockPool, KVBlock
+
+
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_key: str | None) -> bytes:
+    """Chain hash of one full block (32 bytes). ``extra_key`` (the request's cache_salt) separates namespaces."""
+    h = hashlib.sha256(parent_hash or b"\0")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_key:
+        h.update(b"\x01salt:" + extra_key.encode())
+    return h.digest()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters in tokens since start-up."""
+
+    queries_tokens: int = 0   # prompt tokens looked up
+    hits_tokens: int = 0      # of those, served from cache
+
+
+class KVCacheManager:
+    """Allocates and frees a request's KV blocks.
+
+    Args:
+        num_blocks: physical blocks.
+        block_size: tokens per block.
+        enable_prefix_caching: reuse cached full blocks across requests.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by at least one request, in [0, 1]."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def reset_stats(self) -> None:
+        self.stats = PrefixCacheStats()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Longest chain of cached full blocks matching the request's tokens, leaving at least one token to compute.
+
+        Counts the lookup in :attr:`stats` (tokens queried: the prompt; hits: the blocks found).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        parent = None
+        for i in range(max_blocks):
+            tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = request.block_hashes[i] if i < len(request.block_hashes) else \
+                hash_block(parent, tokens, request.cache_salt)
+            block = self.pool.lookup(h, parent, tokens)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        self.stats.queries_tokens += request.num_prompt_tokens
+        self.stats.hits_tokens += min(len(hits) * self.block_size, request.num_prompt_tokens)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[KVBlock] | None = None) -> bool:
+        """Make the block table cover ``num_computed_tokens (+ cached) + num_new_tokens`` tokens.
+
+        ``cached_blocks`` (from :meth:`find_cached_prefix`, only for a request with no blocks yet) are taken first
+        and advance ``request.num_computed_tokens``. Returns False, changing nothing, when too few blocks are free.
+        """
+        cached_blocks = cached_blocks or []
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(request.blocks) - len(cached_blocks)
+        # Cached hits sitting in the free queue count as free now but stop being free once touched.
+        revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - revived:
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            request.blocks.extend(cached_blocks)
+            request.num_computed_tokens = num_computed
+        if num_new_blocks > 0:
+            request.blocks.extend(self.pool.allocate(num_new_blocks))
+        self._cache_full_blocks(request, total)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash and cache the blocks that are full once ``num_tokens`` tokens are computed."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        bs = self.block_size
+        for i in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[i - 1] if i else None
+            tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(parent, tokens, request.cache_salt)
+            request.block_hashes.append(h)
+            self.pool.cache_block(request.blocks[i], h, parent, tokens)
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks, tail first (shared prefixes are evicted last)."""
+        self.pool.free(list(reversed(request.blocks)))
+        request.blocks = []
+
+    def slot(self, request: Request, position: int) -> int:
+        """Cache slot of the token at ``position``: ``block_id * block_size + position % block_size``."""
+        return request.blocks[position // self.block_size].block_id * self.block_size + position % self.block_size

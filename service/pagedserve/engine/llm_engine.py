@@ -1,0 +1,230 @@
+"""The synchronous engine core: requests in, one ``step()`` at a time, per-completion deltas out.
+
+``step()`` = schedule -> model forward + sampling -> append tokens, check stops, detokenize -> free finished
+requests. The asyncio front (:mod:`pagedserve.engine.async_engine`) runs it on its own thread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from ..config import EngineConfig
+from ..errors import DuplicateRequestError, InvalidInputError, QueueFullError
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache.manager import KVCacheManager
+from .model_runner import ModelRunner, StepResult
+from .request import Request, RequestStatus
+from .sampler import TokenLogprobs, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = structlog.get_logger(__name__)
+
+FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int           # after truncation
+    completion_tokens: int       # over all n completions
+    cached_prompt_tokens: int    # prompt tokens served from the prefix cache (first completion's)
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one completion produced in one step (one GenerateResponse)."""
+
+    request_id: str                                  # the client's request id
+    index: int                                       # which of the n completions
+    text: str = ""                                   # new text since the previous delta
+    token_ids: list[int] = field(default_factory=list)  # new token ids
+    logprobs: list[TokenLogprobs] | None = None      # one per new token when requested
+    finish_reason: str | None = None                 # None while running; "stop", "length" or "abort"
+    matched_stop: int | str | None = None            # the stop token id or stop string that ended it
+    usage: Usage | None = None                       # on the request's last delta
+    error: Exception | None = None                   # set when processing this request failed (it is aborted)
+
+
+@dataclass(slots=True)
+class RequestGroup:
+    """The n completions of one client request."""
+
+    request_id: str
+    children: list[Request]
+    num_finished: int = 0
+
+
+class LLMEngine:
+    """Holds the tokenizer, model runner, KV cache and scheduler. Not thread-safe: one thread drives it.
+
+    Args:
+        config: the engine configuration.
+        runner: a ready :class:`ModelRunner`.
+        tokenizer: the model's transformers tokenizer.
+        num_kv_blocks: blocks in the KV cache (the runner's caches hold this many).
+        max_model_len: context length at most.
+        eos_token_ids: ids that end a completion unless ignore_eos.
+        vocab_size: logits width; token ids must be below it.
+    """
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, num_kv_blocks: int,
+                 max_model_len: int, eos_token_ids: frozenset[int], vocab_size: int):
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold, config.max_waiting_requests)
+        self.groups: dict[str, RequestGroup] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._default_generator = make_generator(config.seed)
+        self.num_steps = 0
+
+    # ---- admission ---------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> list[Request]:
+        """Validate and queue a request (``params.n`` completions).
+
+        Raises:
+            InvalidInputError: empty prompt, unknown token id, prompt or max_tokens past max_model_len.
+            DuplicateRequestError: ``request_id`` is live.
+            QueueFullError: the waiting queue is full.
+        """
+        if request_id in self.groups:
+            raise DuplicateRequestError(f"request {request_id!r} is already running", "request_id")
+        params.validate_for_model(self.vocab_size, self.config.max_logprobs)
+        ids = list(prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else []
+        if not ids:
+            raise InvalidInputError("the prompt is empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                    "prompt_token_ids")
+        if len(ids) >= self.max_model_len:
+            raise InvalidInputError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                                    "so at most max_model_len - 1 prompt tokens fit", "prompt")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidInputError(f"max_tokens {params.max_tokens} exceeds the {room} tokens left after the "
+                                    f"{len(ids)}-token prompt (max_model_len {self.max_model_len})",
+                                    "sampling.max_tokens")
+        if not self.scheduler.can_admit(params.n):
+            raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
+        children = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            gen = make_generator(params.seed + i) if params.seed is not None else None
+            req = Request(rid, ids, params, params.max_tokens or room, self.eos_token_ids, priority=priority,
+                          cache_salt=cache_salt or None, generator=gen, parent_id=request_id, index=i)
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params, ids)
+            children.append(req)
+        self.groups[request_id] = RequestGroup(request_id, children)
+        for req in children:
+            self.scheduler.add_request(req)
+        return children
+
+    def abort(self, request_ids) -> tuple[list[str], list[CompletionDelta]]:
+        """Abort live requests by client id; unknown ids are ignored. Returns (aborted ids, their final deltas)."""
+        aborted, deltas = [], []
+        for rid in request_ids:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            aborted.append(rid)
+            for req in group.children:
+                if not req.is_finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                    deltas.append(self._finish_delta(req, CompletionDelta(rid, req.index)))
+        return aborted, deltas
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[CompletionDelta]:
+        """Run one scheduling step and return what each completion produced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        result = self.runner.execute(sched)
+        self.scheduler.update(sched)
+        self.num_steps += 1
+        return self._process(result)
+
+    def _process(self, result: StepResult) -> list[CompletionDelta]:
+        deltas = []
+        if result.output is None:
+            return deltas
+        for i, entry in enumerate(result.sampled):
+            req = entry.request
+            if req.is_finished:
+                continue
+            delta = CompletionDelta(req.parent_id, req.index)
+            try:
+                self._append_token(req, result.output.token_ids[i], result.output.logprobs[i], delta)
+            except Exception as exc:  # one request's failure must not take the others down
+                log.exception("request_failed", request_id=req.parent_id)
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                delta.error = exc
+                self._finish_delta(req, delta)
+            deltas.append(delta)
+        return deltas
+
+    def _append_token(self, req: Request, token: int, logprobs, delta: CompletionDelta) -> None:
+        req.append_output_token(token)
+        delta.token_ids.append(token)
+        if logprobs is not None:
+            delta.logprobs = [logprobs]
+        params, status = req.params, None
+        can_stop = req.num_output_tokens > params.min_tokens or params.min_tokens == 0
+        if can_stop and token in params.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif can_stop and not params.ignore_eos and token in req.eos_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        if status is None or params.include_stop_str_in_output:
+            update = self._detok[req.request_id].add_tokens([token])
+            delta.text = update.text
+            if update.stop_str is not None and status is None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, update.stop_str
+        if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(req, status)
+            self._finish_delta(req, delta)
+
+    def _finish_delta(self, req: Request, delta: CompletionDelta) -> CompletionDelta:
+        """Fill the finish fields of ``delta`` (req already finished); usage when the whole group is done."""
+        detok = self._detok.pop(req.request_id, None)
+        if detok is not None and not isinstance(req.stop_reason, str) and delta.error is None:
+            delta.text += detok.flush()
+        delta.finish_reason = FINISH_REASONS[req.status]
+        delta.matched_stop = req.stop_reason
+        group = self.groups[req.parent_id]
+        group.num_finished += 1
+        if group.num_finished == len(group.children):
+            del self.groups[req.parent_id]
+            first = group.children[0]
+            delta.usage = Usage(first.num_prompt_tokens, sum(c.num_output_tokens for c in group.children),
+                                max(first.num_cached_tokens, 0))
+        return delta
+
+    # ---- introspection -----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        kv = self.kv_cache
+        return {"num_blocks_total": kv.num_blocks, "num_blocks_free": kv.num_free_blocks, "usage": kv.usage,
+                "prefix_cache_queries_tokens": kv.stats.queries_tokens, "prefix_cache_hits_tokens": kv.stats.hits_tokens,
+                "num_requests_running": len(self.scheduler.running),
+                "num_requests_waiting": self.scheduler.num_waiting, "num_preemptions": self.scheduler.num_preemptions}

@@ -1,0 +1,112 @@
+"""Turns a scheduler step into flat batch tensors, runs the model and samples.
+
+The step's new tokens are laid end to end, decodes (one new token) first, then prefill chunks; for each sequence
+the runner builds positions, slot mapping, its block table row and context length (see
+:mod:`pagedserve.attention.base`). Logits are computed only for the rows that sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.base import AttentionBackend, AttentionMetadata
+from .sampler import Sampler, SamplerOutput, SamplingRow
+from .scheduler import ScheduledRequest, SchedulerOutput
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[ScheduledRequest]      # the scheduled entries that sampled, in the order of `output`'s rows
+    output: SamplerOutput | None         # None when no row sampled (all prefill chunks)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors, the attention backend and the sampler.
+
+    Args:
+        model: a model with ``forward(input_ids, positions, kv_caches, meta, backend)`` and ``compute_logits``.
+        backend: the attention backend.
+        kv_caches: from :func:`allocate_kv_caches`.
+        block_size: tokens per KV block.
+        device: where the model runs.
+    """
+
+    def __init__(self, model, backend: AttentionBackend, kv_caches, block_size: int, device):
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sampler = Sampler()
+
+    def prepare(self, entries: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat ``input_ids [T]``, ``positions [T]`` (int64) and the attention metadata for ``entries``.
+
+        ``entries`` must list decodes (``num_new_tokens == 1``) first.
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, context_lens, starts = [], [], [0]
+        max_blocks = max(len(e.request.blocks) for e in entries)
+        tables = torch.zeros((len(entries), max_blocks), dtype=torch.int32)
+        for i, e in enumerate(entries):
+            req, start = e.request, e.request.num_computed_tokens
+            end = start + e.num_new_tokens
+            input_ids.extend(req.token_ids[start:end])
+            positions.extend(range(start, end))
+            block_ids = [b.block_id for b in req.blocks]
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            tables[i, :len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+            query_lens.append(e.num_new_tokens)
+            context_lens.append(end)
+            starts.append(starts[-1] + e.num_new_tokens)
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            query_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(query_lens), max_context_len=max(context_lens), num_decode_seqs=num_decodes,
+            query_lens_cpu=query_lens, context_lens_cpu=context_lens)
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run one step: forward over all scheduled tokens, logits and sampling for the rows that sample."""
+        entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)  # stable: decodes first
+        input_ids, positions, meta = self.prepare(entries)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        sampled = [e for e in entries if e.samples]
+        if not sampled:
+            return StepResult([], None)
+        last_rows, pos = [], 0
+        for e in entries:
+            pos += e.num_new_tokens
+            if e.samples:
+                last_rows.append(pos - 1)
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=hidden.device)])
+        rows = [SamplingRow(params=e.request.params, prompt_token_ids=e.request.prompt_token_ids,
+                            output_token_ids=e.request.output_token_ids, generator=e.request.generator,
+                            eos_token_ids=e.request.eos_token_ids) for e in sampled]
+        return StepResult(sampled, self.sampler(logits, rows))

@@ -1,0 +1,268 @@
+"""Batched sampling: one pass over a step's logits ``[B, V]`` picks one token per row.
+
+Order of processing (vLLM / HF-like), each step applied only to the rows (and only when some row) that need it:
+
+1. logprobs: taken from the RAW model distribution, ``log_softmax(logits)`` before any of the steps below (vLLM's
+   default ``raw_logprobs``): the reported logprob, rank and top-k describe what the model predicted, not the
+   penalized / biased / tempered / truncated distribution the token was drawn from.
+2. ``logit_bias``: the bias is added to the token's logit (OpenAI semantics).
+3. ``min_tokens``: while a row has fewer than ``min_tokens`` output tokens, its ``stop_token_ids`` and (unless
+   ``ignore_eos``: then EOS ends nothing and stays an ordinary token, as in vLLM) its EOS ids get ``-inf``
+   (HF ``MinNewTokensLengthLogitsProcessor``). Applied after the bias so that a bias cannot undo it.
+4. ``repetition_penalty`` (CTRL, Keskar et al. 2019; HF ``RepetitionPenaltyLogitsProcessor``): for every token that
+   occurs in prompt + output, a positive logit is divided by the penalty, a negative one multiplied.
+5. ``presence_penalty`` / ``frequency_penalty`` (OpenAI): over output tokens only,
+   ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+6. greedy rows (temperature 0) take the argmax here. The others:
+7. temperature: ``logits / temperature``.
+8. ``top_k`` (HF ``TopKLogitsWarper``: tokens below the k-th largest logit are dropped, ties kept), then ``top_p``
+   (HF ``TopPLogitsWarper``: drop the least likely tokens whose total mass is <= 1 - top_p, the most likely token
+   always kept), then ``min_p`` (HF ``MinPLogitsWarper``: drop tokens with prob < min_p * max prob).
+9. sampling by the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per token, which picks token
+   ``i`` with probability ``probs[i]`` (equivalent to the Gumbel-max trick). A seeded row draws its ``q`` from its
+   own CPU generator, ``V`` numbers per step, so its tokens do not depend on the rest of the batch; the other rows
+   share the sampler's generator on the logits' device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from pagedserve.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+_TINY = torch.finfo(torch.float32).tiny  # floor for the exponential noise, so probs / q never divides by zero
+
+
+class TokenLogprobs(NamedTuple):
+    """One sampled (or prompt) token's log-probability under the raw model distribution."""
+
+    token_id: int                    # the token
+    logprob: float                   # its natural-log probability
+    rank: int                        # 1 + number of tokens strictly more likely (1 = most likely)
+    top: list[tuple[int, float]]     # the k most likely (token id, logprob), most likely first
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the step's logits."""
+
+    params: SamplingParams                  # the request's sampling parameters
+    prompt_token_ids: Sequence[int]         # the prompt (repetition_penalty counts it)
+    output_token_ids: Sequence[int]         # tokens generated so far for this completion
+    generator: torch.Generator | None = None  # the row's own CPU generator when seeded (see make_generator)
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # the model's EOS ids
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result, one entry per row of the logits."""
+
+    token_ids: list[int]                      # the chosen token of each row
+    logprobs: list[TokenLogprobs | None]      # set for rows whose params.logprobs is not None
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed`` (0 <= seed < 2**64), for one seeded completion."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return generator
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int],
+                     num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Raw log-probabilities of chosen tokens, their rank and the top-k alternatives.
+
+    Args:
+        logits: ``[N, V]`` float, unnormalized (log_softmax is taken here, in fp32).
+        token_ids: ``[N]`` the token whose logprob is reported for each row.
+        num_top: ``N`` ints, how many top alternatives each row lists (0 allowed).
+
+    Returns:
+        ``N`` TokenLogprobs. Also used for prompt logprobs (logits of position t, token t + 1).
+    """
+    logprobs = logits.float().log_softmax(dim=-1)
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=logits.device).view(-1, 1)
+    chosen = logprobs.gather(1, ids)
+    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+    max_top = min(max(num_top, default=0), logprobs.shape[1])
+    top_vals, top_ids = (logprobs.topk(max_top, dim=1) if max_top else (logprobs[:, :0], ids[:, :0]))
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(top_ids[i][:k], top_vals[i][:k])))
+            for i, (t, lp, r, k) in enumerate(zip(ids.view(-1).tolist(), chosen.view(-1).tolist(), ranks, num_top))]
+
+
+class Sampler:
+    """Samples one token per row of a step's logits; see the module docstring for the order of processing.
+
+    Args:
+        seed: seed of the generator shared by unseeded rows (one per device); None seeds it from the OS.
+    """
+
+    def __init__(self, seed: int | None = None):
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Args: logits ``[B, V]`` (fp32; other float dtypes are converted), rows: ``B`` rows, in logits order.
+        The logits tensor is not modified. Raises ValueError when the shapes disagree."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        raw = logits.float()
+        processed = _apply_processors(raw, rows)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not rand:
+            token_ids = processed.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=raw.device)
+            greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+            if greedy:
+                greedy_idx = torch.tensor(greedy, device=raw.device)
+                token_ids[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
+            rand_idx = torch.tensor(rand, device=raw.device)
+            token_ids[rand_idx] = self._sample(processed[rand_idx], [rows[i] for i in rand])
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_row_logprobs(raw, token_ids, rows))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top-k / top-p / min-p, exponential race; ``logits`` ``[n, V]`` (a copy, changed here)."""
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+        logits.div_(temperature.unsqueeze(1))
+        top_k = top_p = min_p = None
+        if any(r.params.top_k for r in rows):
+            top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in rows], device=device)
+        if any(r.params.top_p < 1.0 for r in rows):
+            top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float64, device=device)
+        if any(r.params.min_p > 0.0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        probs = filter_logits(logits, top_k, top_p, min_p).softmax(dim=-1)
+        return probs.div_(self._exponential_noise(rows, probs.shape[1], device)).argmax(dim=-1)
+
+    def _exponential_noise(self, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
+        """``[n, V]`` i.i.d. Exp(1): seeded rows from their own generator, the others from the shared one."""
+        noise = torch.empty(len(rows), vocab_size, device=device)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            draw = torch.empty(len(unseeded), vocab_size, device=device)
+            draw.exponential_(generator=self._generator(device))
+            noise[torch.tensor(unseeded, device=device)] = draw
+        for i, row in enumerate(rows):  # unavoidable: one generator per seeded row
+            if row.generator is not None:
+                noise[i] = torch.empty(vocab_size).exponential_(generator=row.generator).to(device)
+        return noise.clamp_min_(_TINY)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed)
+            self._generators[device] = generator
+        return generator
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                  min_p: torch.Tensor | None) -> torch.Tensor:
+    """Top-k, then top-p, then min-p with HF's warper semantics (see module docstring); dropped tokens get -inf.
+
+    Args:
+        logits: ``[n, V]`` fp32, already divided by the temperature; may be modified in place.
+        top_k: ``[n]`` int, k per row (V for off), or None when no row uses it.
+        top_p: ``[n]`` float in (0, 1] (1 for off; fp64 to match HF's threshold bit for bit), or None.
+        min_p: ``[n]`` float in [0, 1] (0 for off), or None.
+
+    Returns:
+        ``[n, V]`` the filtered logits (possibly the same tensor).
+    """
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        if top_k is not None:
+            kth = (logits.shape[1] - top_k.clamp(1, logits.shape[1])).unsqueeze(1)
+            sorted_logits.masked_fill_(sorted_logits < sorted_logits.gather(1, kth), _NEG_INF)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1.0 - top_p.double()).to(cumulative.dtype).unsqueeze(1)  # HF: fp64 1 - p, then fp32
+        drop[:, -1] = False  # the most likely token is always kept
+        sorted_logits.masked_fill_(drop, _NEG_INF)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    elif top_k is not None:
+        k = top_k.clamp(1, logits.shape[1])
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        logits.masked_fill_(logits < kth, _NEG_INF)
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        logits.masked_fill_(probs < threshold, _NEG_INF)
+    return logits
+
+
+def _apply_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Steps 2-5 of the module docstring on a copy of ``raw`` ``[B, V]``; returns ``raw`` itself when none apply."""
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
+    banned = [(i, t) for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens
+              for t in _min_tokens_banned(r) if t < raw.shape[1]]
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    freq = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
+    if not (bias or banned or rep or freq):
+        return raw
+    logits = raw.clone()
+    device, vocab_size = logits.device, logits.shape[1]
+    if bias:
+        rows_i, tokens, values = zip(*bias)
+        logits.index_put_((torch.tensor(rows_i, device=device), torch.tensor(tokens, device=device)),
+                          torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    if banned:
+        rows_i, tokens = zip(*banned)
+        logits[torch.tensor(rows_i, device=device), torch.tensor(tokens, device=device)] = _NEG_INF
+    if rep:
+        seqs = [_concat(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep]
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=device).unsqueeze(1)
+        idx = torch.tensor(rep, device=device)
+        sub = logits[idx]
+        seen = _token_counts(seqs, vocab_size, device) > 0
+        penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+        logits[idx] = torch.where(seen, penalized, sub)
+    if freq:
+        counts = _token_counts([rows[i].output_token_ids for i in freq], vocab_size, device).to(logits.dtype)
+        presence = torch.tensor([rows[i].params.presence_penalty for i in freq], device=device).unsqueeze(1)
+        frequency = torch.tensor([rows[i].params.frequency_penalty for i in freq], device=device).unsqueeze(1)
+        idx = torch.tensor(freq, device=device)
+        logits[idx] = logits[idx] - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _min_tokens_banned(row: SamplingRow) -> set[int]:
+    banned = set(row.params.stop_token_ids)
+    if not row.params.ignore_eos:
+        banned |= row.eos_token_ids
+    return banned
+
+
+def _concat(a: Sequence[int], b: Sequence[int]) -> torch.Tensor:
+    return torch.cat([torch.as_tensor(a, dtype=torch.long).view(-1), torch.as_tensor(b, dtype=torch.long).view(-1)])
+
+
+def _token_counts(seqs: list[Sequence[int] | torch.Tensor], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[len(seqs), V]`` int64: how often each token id occurs in each sequence (one bincount for all rows)."""
+    tensors = [torch.as_tensor(s, dtype=torch.long).view(-1).to(device) for s in seqs]
+    lengths = torch.tensor([t.numel() for t in tensors], device=device)
+    row_of = torch.repeat_interleave(torch.arange(len(tensors), device=device), lengths)
+    flat = row_of * vocab_size + torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.long)
+    return torch.bincount(flat, minlength=len(tensors) * vocab_size).view(len(tensors), vocab_size)
+
+
+def _row_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                  rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return out
+    idx = torch.tensor(wanted, device=raw.device)
+    entries = compute_logprobs(raw[idx], token_ids[idx], [rows[i].params.logprobs for i in wanted])
+    for i, entry in zip(wanted, entries):
+        out[i] = entry
+    return out

@@ -1,0 +1,171 @@
+"""Per-request sampling parameters: one frozen, self-checking dataclass mirroring the proto's ``SamplingParams``.
+
+Field names, defaults and ranges follow ``protos/pagedserve/v1/inference.proto`` and API.md (vLLM / OpenAI
+semantics). Every violation raises :class:`pagedserve.errors.InvalidInputError` with ``field="sampling.<name>"``.
+Checks that need the model (vocabulary size, the server's logprobs cap) live in :meth:`validate_for_model`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import NoReturn
+
+from pagedserve.errors import InvalidInputError
+
+# Temperatures below this are sampled greedily: dividing fp32 logits by them overflows (vLLM uses the same 1e-5).
+GREEDY_TEMPERATURE_EPS = 1e-5
+_MAX_SEED = 2**64 - 1  # proto uint64
+_PENALTY_RANGE = (-2.0, 2.0)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _fail(name: str, message: str) -> NoReturn:
+    raise InvalidInputError(message, field=f"sampling.{name}")
+
+
+def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, f"must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        _fail(name, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        _fail(name, f"must be <= {hi}, got {value}")
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        _fail(name, f"must be finite, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request's completions. Defaults are API.md's (an unset proto field takes them).
+
+    Construct with plain values; lists and dicts are accepted for the sequence fields and normalized to tuples
+    (``logit_bias`` becomes ``((token_id, bias), ...)`` sorted by token id), so instances are hashable.
+
+    Raises:
+        InvalidInputError: a value out of range, NaN or infinite; ``field`` is ``"sampling.<name>"``.
+    """
+
+    max_tokens: int | None = None        # new tokens per completion, >= 1; None: the room left in max_model_len
+    min_tokens: int = 0                  # EOS and stop_token_ids are masked until this many new tokens exist
+    temperature: float = 1.0             # >= 0; 0 (below 1e-5) is greedy
+    top_p: float = 1.0                   # nucleus mass, in (0, 1]; 1 is off
+    top_k: int = 0                       # keep the k most likely tokens; 0 is off
+    min_p: float = 0.0                   # drop tokens with prob < min_p * max prob; in [0, 1]; 0 is off
+    seed: int | None = None              # this request's own generator seed, in [0, 2**64); None: shared generator
+    presence_penalty: float = 0.0        # OpenAI: subtracted once from each token already in the output; [-2, 2]
+    frequency_penalty: float = 0.0       # OpenAI: subtracted per occurrence in the output; [-2, 2]
+    repetition_penalty: float = 1.0      # CTRL / HF, over prompt + output tokens; > 0; 1 is off
+    stop: tuple[str, ...] = ()           # stop strings, non-empty; the completion ends before the first match
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end the completion
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
+    ignore_eos: bool = False             # EOS is an ordinary token: it neither ends the completion nor is masked
+    n: int = 1                           # completions for this prompt, >= 1
+    logprobs: int | None = None          # k >= 0: each new token's logprob, rank and the top-k alternatives
+    prompt_logprobs: int | None = None   # k >= 0: the same for each prompt token after the first
+    skip_special_tokens: bool = True     # leave special tokens out of the text
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by token id
+    truncate_prompt_tokens: int | None = None  # >= 1: keep only the last k prompt tokens
+
+    def __post_init__(self) -> None:
+        self._normalize_sequences()
+        _check_int("max_tokens", self.max_tokens, lo=1, optional=True)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in _FLOAT_FIELDS:
+            object.__setattr__(self, name, _check_float(name, getattr(self, name)))
+        if self.temperature < 0:
+            _fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=0)
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        _check_int("seed", self.seed, lo=0, hi=_MAX_SEED, optional=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _PENALTY_RANGE[0] <= value <= _PENALTY_RANGE[1]:
+                _fail(name, f"must be in [-2, 2], got {value}")
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"must be a bool, got {getattr(self, name)!r}")
+        _check_int("n", self.n, lo=1)
+        _check_int("logprobs", self.logprobs, lo=0, optional=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, optional=True)
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1, optional=True)
+
+    def _normalize_sequences(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stop:
+            if not isinstance(s, str):
+                _fail("stop", f"must be strings, got {s!r}")
+            if not s:
+                _fail("stop", "stop strings must not be empty")
+        stop_token_ids = tuple(self.stop_token_ids)
+        for t in stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax: temperature 0 (or below 1e-5, where fp32 division would overflow)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def max_num_logprobs(self) -> int:
+        """The larger of logprobs and prompt_logprobs, 0 when neither is set."""
+        return max(self.logprobs or 0, self.prompt_logprobs or 0)
+
+    def validate_for_model(self, vocab_size: int, max_logprobs: int = 20) -> None:
+        """Checks that need the served model.
+
+        Args:
+            vocab_size: number of rows of the model's logits (token ids must be below it).
+            max_logprobs: the server's cap on ``logprobs`` and ``prompt_logprobs``.
+
+        Raises:
+            InvalidInputError: a token id in ``stop_token_ids`` / ``logit_bias`` >= vocab_size, or a logprobs count
+                above ``max_logprobs``.
+        """
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                _fail("stop_token_ids", f"token id {t} is outside the vocabulary (size {vocab_size})")
+        for t, _ in self.logit_bias:
+            if t >= vocab_size:
+                _fail("logit_bias", f"token id {t} is outside the vocabulary (size {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and k > max_logprobs:
+                _fail(name, f"must be <= {max_logprobs}, got {k}")
+
+
+def _normalize_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A mapping or pairs -> ``((token_id, bias), ...)`` sorted by token id; ids >= 0, biases finite, no repeats."""
+    items: Iterable = value.items() if isinstance(value, Mapping) else value  # type: ignore[assignment]
+    out: dict[int, float] = {}
+    try:
+        pairs = [tuple(p) for p in items]
+    except TypeError:
+        _fail("logit_bias", f"must map token ids to biases, got {value!r}")
+    for pair in pairs:
+        if len(pair) != 2:
+            _fail("logit_bias", f"entries must be (token_id, bias), got {pair!r}")
+        token_id, bias = pair
+        _check_int("logit_bias", token_id, lo=0)
+        if token_id in out:
+            _fail("logit_bias", f"token id {token_id} given twice")
+        out[token_id] = _check_float("logit_bias", bias)
+    return tuple(sorted(out.items()))

@@ -1,0 +1,184 @@
+"""Llama-family causal LM forward over a paged KV cache (Llama 2/3, Mistral, Qwen2, SmolLM).
+
+Follows HF transformers' ``LlamaForCausalLM`` math (RMSNorm, neox-style rotary embedding, grouped-query attention
+(Ainslie et al. 2023), SwiGLU MLP), but on a flattened batch of the step's new tokens, with attention delegated to an
+:class:`~pagedserve.attention.base.AttentionBackend` that reads and writes the paged KV cache. Q/K/V and gate/up
+projections are fused into one matmul each. ``forward`` has no host synchronization.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..attention.base import AttentionBackend, AttentionMetadata
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.layer_idx = layer_idx
+        qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+
+    def forward(self, positions, hidden, kv_cache, meta, backend: AttentionBackend, cos_sin):
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = ops.rotary_embedding(positions, q.view(T, self.num_heads, self.head_dim), cos_sin)
+        k = ops.rotary_embedding(positions, k.view(T, self.num_kv_heads, self.head_dim), cos_sin)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(self, positions, hidden, residual, kv_cache, meta, backend, cos_sin):
+        h, residual = ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        h = self.self_attn(positions, h, kv_cache, meta, backend, cos_sin)
+        h, residual = ops.rms_norm(h, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model. Built from a transformers ``PretrainedConfig``; weights come from :meth:`load_weights`.
+
+    Attributes used by the engine: ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size``.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        if getattr(cfg, "rope_scaling", None) not in (None, {}) and \
+                (cfg.rope_scaling.get("rope_type") or cfg.rope_scaling.get("type")) not in ("default", None):
+            raise ValueError(f"rope_scaling {cfg.rope_scaling} is not supported yet")
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        attn = self.layers[0].self_attn
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
+        self.vocab_size = cfg.vocab_size
+        theta = getattr(cfg, "rope_theta", None)
+        if theta is None:
+            theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self.rope_theta = float(theta)
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        if not self.embed_tokens.weight.is_meta:  # under a meta device, build_model calls this after to_empty()
+            self.reset_rotary_cache()
+
+    def reset_rotary_cache(self) -> None:
+        """(Re)build the fp32 ``[max_position_embeddings, head_dim]`` rotary table on the model's device."""
+        device = self.embed_tokens.weight.device
+        self.cos_sin_cache = ops.rotary_cos_sin_cache(
+            self.head_dim, self.config.max_position_embeddings, self.rope_theta, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """One step over the flattened batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of the step's new tokens.
+            positions: ``[T]`` int64 absolute positions.
+            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: the step's attention metadata.
+            backend: the attention backend.
+
+        Returns:
+            Final hidden states ``[T, hidden]`` (after the last RMSNorm), the model dtype.
+        """
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv, meta, backend, self.cos_sin_cache)
+        hidden, _ = ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab_size]`` float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    _STACKED = {  # HF name fragment -> (our param fragment, shard index)
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...) into the fused parameters.
+
+        Raises:
+            ValueError: on an unknown name, a shape mismatch, or parameters left unloaded.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            name = name.replace("input_layernorm.weight", "input_layernorm") \
+                .replace("post_attention_layernorm.weight", "post_attention_layernorm")
+            if name == "norm.weight":
+                name = "norm"
+            target, shard = name, None
+            for hf, (ours, idx) in self._STACKED.items():
+                if hf in name:
+                    target, shard = name.replace(hf, ours), idx
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r}")
+            param = params[target]
+            dst = param.data if shard is None else self._shard(param.data, target, shard)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}...")
+
+    def _shards_of(self, name: str) -> list:
+        if "qkv_proj" in name:
+            return [0, 1, 2]
+        if "gate_up_proj" in name:
+            return [0, 1]
+        return [None]
+
+    def _shard(self, data: torch.Tensor, name: str, idx: int) -> torch.Tensor:
+        if "qkv_proj" in name:
+            attn = self.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [data.shape[0] // 2] * 2
+        start = sum(sizes[:idx])
+        return data[start:start + sizes[idx]]

@@ -1,0 +1,41 @@
+"""Model classes keyed by HF ``config.architectures`` names; the loader builds whatever the config names."""
+from __future__ import annotations
+
+import torch
+
+from .llama import LlamaForCausalLM
+from .loader import ModelSource
+
+MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def architecture_of(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    if archs:
+        return archs[0]
+    # GGUF configs from transformers may lack `architectures`; derive it from model_type.
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+        config.model_type, config.model_type)
+
+
+def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+    """Instantiate the registered class for ``config`` and load its weights.
+
+    Raises:
+        ValueError: for an architecture not in :data:`MODEL_REGISTRY` or a checkpoint that does not fit it.
+    """
+    arch = architecture_of(config)
+    if arch not in MODEL_REGISTRY:
+        raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[arch](config)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.reset_rotary_cache()  # meta-device buffers hold no data; the table stays fp32 whatever the dtype
+    model.load_weights(source.iter_weights(config, dtype))
+    model = model.to(device).eval()
+    model.requires_grad_(False)
+    return model

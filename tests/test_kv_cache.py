@@ -1,0 +1,140 @@
+"""KV cache manager: ref counts, LRU free queue, prefix-cache chain hashing, lazy eviction, accounting."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from pagedserve.engine.kv_cache.block_pool import BlockPool
+from pagedserve.engine.kv_cache.manager import KVCacheManager
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampling_params import SamplingParams
+
+
+def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(rid, tokens, SamplingParams(), max_tokens=16, eos_token_ids=frozenset(), cache_salt=salt)
+
+
+def check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
+    holders: dict[int, int] = {}
+    for r in live:
+        for b in r.blocks:
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+    free_ids = {b.block_id for b in kv.pool.free_queue}
+    for b in kv.pool.blocks:
+        assert b.ref_cnt == holders.get(b.block_id, 0), f"block {b.block_id} ref count"
+        assert (b.ref_cnt == 0) == (b.block_id in free_ids)
+    assert len(free_ids) == kv.num_free_blocks
+    used = sum(1 for b in kv.pool.blocks if b.ref_cnt > 0)
+    assert used + kv.num_free_blocks == kv.num_blocks
+
+
+def test_allocate_and_free_tail_first():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = make_request("a", list(range(10)))
+    assert kv.allocate_slots(r, 10)
+    assert len(r.blocks) == 3 and kv.num_free_blocks == 5
+    ids = [b.block_id for b in r.blocks]
+    kv.free(r)
+    assert kv.num_free_blocks == 8
+    # Freed tail first: the tail block is evicted (reused) before the shared-prefix head.
+    order = [b.block_id for b in kv.pool.free_queue]
+    assert order[-3:] == list(reversed(ids))
+
+
+def test_allocation_fails_without_changes_when_full():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    r = make_request("a", list(range(12)))
+    assert not kv.allocate_slots(r, 12)
+    assert r.blocks == [] and kv.num_free_blocks == 2
+
+
+def test_prefix_hit_shares_full_blocks_and_leaves_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", list(range(12)))
+    assert kv.allocate_slots(a, 12)
+    b = make_request("b", list(range(12)))
+    hits = kv.find_cached_prefix(b)
+    # 12 tokens = 3 full blocks, but at most prompt_len - 1 tokens may come from the cache -> 2 blocks.
+    assert len(hits) == 2 and hits == a.blocks[:2]
+    assert kv.allocate_slots(b, 12 - 8, hits)
+    assert b.num_computed_tokens == 8 and b.blocks[:2] == a.blocks[:2]
+    assert b.blocks[2] is not a.blocks[2]
+    assert kv.stats.hits_tokens == 8 and kv.stats.queries_tokens == 12
+    check_invariants(kv, [a, b])
+
+
+def test_salt_separates_namespaces():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", list(range(12)), salt="x")
+    assert kv.allocate_slots(a, 12)
+    assert kv.find_cached_prefix(make_request("b", list(range(12)), salt="y")) == []
+    assert len(kv.find_cached_prefix(make_request("c", list(range(12)), salt="x"))) == 2
+
+
+def test_lazy_eviction_keeps_hits_until_reused():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", list(range(9)))
+    assert kv.allocate_slots(a, 9)
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    assert len(kv.find_cached_prefix(make_request("b", list(range(9))))) == 2  # still cached while free
+    c = make_request("c", list(range(100, 116)))
+    assert kv.allocate_slots(c, 16)           # takes every block: the cached ones are evicted
+    assert kv.find_cached_prefix(make_request("d", list(range(9)))) == []
+
+
+def test_hit_on_free_block_counts_against_free_space():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request("a", list(range(9)))
+    assert kv.allocate_slots(a, 9)
+    kv.free(a)
+    b = make_request("b", list(range(9)) + list(range(50, 57)))  # 16 tokens: 2 hits + 2 new blocks > 3
+    hits = kv.find_cached_prefix(b)
+    assert len(hits) == 2
+    assert not kv.allocate_slots(b, b.num_tokens - 8, hits)
+    check_invariants(kv, [])
+
+
+def test_hash_collision_never_serves_wrong_kv():
+    pool = BlockPool(4)
+    block = pool.allocate(1)[0]
+    pool.cache_block(block, b"h", None, (1, 2, 3, 4))
+    assert pool.lookup(b"h", None, (1, 2, 3, 4)) is block
+    assert pool.lookup(b"h", None, (9, 9, 9, 9)) is None       # same hash, other tokens
+    assert pool.lookup(b"h", b"p", (1, 2, 3, 4)) is None       # same hash, other parent
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "append", "free", "preempt"]),
+                          st.integers(0, 5), st.integers(1, 40), st.integers(0, 2)), max_size=60))
+def test_random_operations_keep_invariants(ops):
+    kv = KVCacheManager(num_blocks=12, block_size=4)
+    live: list[Request] = []
+    counter = 0
+    for op, idx, n, prefix in ops:
+        if op == "alloc":
+            counter += 1
+            tokens = [prefix] * 8 + list(range(counter * 100, counter * 100 + n))  # shared 8-token prefixes
+            r = make_request(f"r{counter}", tokens)
+            hits = kv.find_cached_prefix(r)
+            if kv.allocate_slots(r, r.num_tokens - len(hits) * 4, hits):
+                r.num_computed_tokens = r.num_tokens
+                live.append(r)
+        elif live:
+            r = live[idx % len(live)]
+            if op == "append":
+                r.append_output_token(7)
+                if kv.allocate_slots(r, 1):
+                    r.num_computed_tokens += 1
+            else:  # free and preempt both release every block; preempt keeps the hashes for the recompute
+                kv.free(r)
+                live.remove(r)
+                r.num_computed_tokens = 0
+        check_invariants(kv, live)
+        # Nothing shared is written: a block held twice must be full and cached.
+        for r in live:
+            for b in r.blocks:
+                if b.ref_cnt > 1:
+                    assert b.block_hash is not None and len(b.token_ids) == 4
+    for r in live:
+        kv.free(r)
+    assert kv.num_free_blocks == kv.num_blocks
