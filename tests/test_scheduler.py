@@ -62,7 +62,8 @@ def test_preemption_by_recompute_when_blocks_run_out():
     s.add_request(b)
     run_step(s)                            # both admitted: 2 blocks each, all 4 used
     assert s.kv_cache.num_free_blocks == 0
-    out = run_step(s)                      # a needs a 3rd block: b (last admitted) is preempted
+    run_step(s)                            # position 7 still fits in the second blocks
+    out = run_step(s)                      # position 8: a needs a 3rd block, b (last admitted) is preempted
     assert b in out.preempted and b.status == RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0 and b.blocks == []
     assert s.num_preemptions == 1 and s.waiting()[0] is b

@@ -112,7 +112,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         raw = logits.float()
-        processed = _apply_processors(raw, rows)
+        processed = apply_logits_processors(raw, rows)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             token_ids = processed.argmax(dim=-1)
@@ -200,7 +200,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     return logits
 
 
-def _apply_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Steps 2-5 of the module docstring on a copy of ``raw`` ``[B, V]``; returns ``raw`` itself when none apply."""
     bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
     banned = [(i, t) for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens
