@@ -12,7 +12,6 @@ namespace pagedserve {
 
 typedef long long i64;
 
-constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // ---- scalar conversion ------------------------------------------------------------------------------------------

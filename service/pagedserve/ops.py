@@ -69,3 +69,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     ``[T, d]``."""
     d = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+# ---- CUDA versions (cuda/elementwise.cu through pagedserve.kernels): same signatures and results, CUDA tensors
+# only; they raise ValueError on a bad dtype/shape/stride/device. Imported lazily so this module stays CPU-only.
+def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA kernel version of :func:`rms_norm` (fused residual add)."""
+    from . import kernels
+    return kernels.rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding_cuda(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
+                          is_neox: bool = True) -> torch.Tensor:
+    """CUDA kernel version of :func:`rotary_embedding` (``positions`` int64)."""
+    from . import kernels
+    return kernels.rotary_embedding(positions, x, cos_sin_cache, is_neox)
+
+
+def silu_and_mul_cuda(x: torch.Tensor) -> torch.Tensor:
+    """CUDA kernel version of :func:`silu_and_mul`."""
+    from . import kernels
+    return kernels.silu_and_mul(x)

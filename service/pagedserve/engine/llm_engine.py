@@ -84,7 +84,6 @@ class LLMEngine:
                                    config.long_prefill_token_threshold, config.max_waiting_requests)
         self.groups: dict[str, RequestGroup] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._default_generator = make_generator(config.seed)
         self.num_steps = 0
 
     # ---- admission ---------------------------------------------------------------------------------------------
@@ -122,7 +121,7 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            gen = make_generator(params.seed + i) if params.seed is not None else None
+            gen = make_generator((params.seed + i) % 2 ** 64) if params.seed is not None else None
             req = Request(rid, ids, params, params.max_tokens or room, self.eos_token_ids, priority=priority,
                           cache_salt=cache_salt or None, generator=gen, parent_id=request_id, index=i)
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params, ids)

@@ -1,0 +1,337 @@
+// Paged prefill attention: a step's new tokens (a prefill chunk, possibly after a prefix-cache hit) attend causally
+// to their sequence's cached prefix and to themselves, reading K/V through the block table.
+//
+// Query row r of a sequence (0 <= r < query_len) sits at absolute position context_len - query_len + r and sees
+// keys 0..that position. Grid: (ceil(max_query_len / BLOCK_M), num_heads, num_prefill_seqs); the m-tiles are
+// visited last-first so the longest (most keys) start first. Blocks past a sequence's query_len exit at once.
+//
+// fp16 / bf16: FlashAttention-2 (Dao 2023) on tensor cores. Each warp owns 16 query rows; S = Q K^T and O += P V
+// run on mma.m16n8k16 with fp32 accumulators; the online softmax (log2 domain) stays in registers, and the S
+// accumulators are re-packed in place as the A operand of P V. K/V tiles are gathered from the paged cache with
+// cp.async into XOR-swizzled shared memory (conflict-free ldmatrix), V's load overlapping S and the next K's load
+// overlapping P V. fp32 has no tensor-core path here: paged_prefill_fp32_kernel is a scalar version.
+#include "common.cuh"
+
+namespace pagedserve {
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a [rows][HEAD_DIM] tile of 16-bit elements, with the
+// chunk index XOR-swizzled by the row so 8 consecutive rows of one chunk column hit 8 different bank groups.
+template <int HEAD_DIM> __device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
+}
+
+// Gathers keys/values [n0, n0 + ROWS) of one KV head into a swizzled tile; rows at or past `kv_end` are zeroed.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, int THREADS>
+__device__ __forceinline__ void load_kv_tile(T* tile, const T* cache, const int* table, int n0, int kv_end,
+                                             long long row_stride, long long head_offset) {
+  constexpr int kChunks = HEAD_DIM / 8;
+#pragma unroll
+  for (int i = threadIdx.x; i < ROWS * kChunks; i += THREADS) {
+    const int r = i / kChunks, c = i % kChunks, token = n0 + r;
+    const bool valid = token < kv_end;
+    long long offset = 0;
+    if (valid) {
+      const int phys = __ldg(table + token / BLOCK_SIZE);
+      offset = ((long long)phys * BLOCK_SIZE + token % BLOCK_SIZE) * row_stride + head_offset + c * 8;
+    }
+    cp_async_16(tile + swizzled<HEAD_DIM>(r, c), cache + offset, valid);
+  }
+}
+
+}  // namespace pagedserve
+
+// out:             [num_tokens, num_heads, HEAD_DIM], rows out_stride elements apart.
+// query:           [num_tokens, num_heads, HEAD_DIM], rows q_stride apart, head_dim contiguous.
+// k_cache/v_cache: [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] contiguous, already holding this step's rows.
+// block_tables:    [num_seqs, max_blocks] int32, rows block_table_stride apart.
+// context_lens:    [num_seqs] int32 (cached + new tokens). query_start_loc: [num_seqs + 1] int32.
+// seq_offset:      index of the first prefill sequence (decodes come first). scale_log2: scale * log2(e).
+// Dynamic shared memory: (16 * NUM_WARPS + 2 * BLOCK_N) * HEAD_DIM * sizeof(T) bytes.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int NUM_WARPS, int BLOCK_N>
+__global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
+    paged_prefill_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache,
+                         const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+                         const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
+                         long long out_stride, long long q_stride, int block_table_stride, int num_heads,
+                         int num_kv_heads, int seq_offset, float scale_log2) {
+  using namespace pagedserve;
+  constexpr int kThreads = NUM_WARPS * 32, kBlockM = 16 * NUM_WARPS;
+  constexpr int kChunks = HEAD_DIM / 8, kKSteps = HEAD_DIM / 16, kNTiles = BLOCK_N / 8, kDTiles = HEAD_DIM / 8;
+  constexpr bool kQInRegs = HEAD_DIM <= 128;  // at 256 the O accumulators need the registers
+  static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0, "tile shapes");
+
+  extern __shared__ uint4 smem_u4[];
+  T* s_q = reinterpret_cast<T*>(smem_u4);
+  T* s_k = s_q + kBlockM * HEAD_DIM;
+  T* s_v = s_k + BLOCK_N * HEAD_DIM;
+
+  const int seq = seq_offset + blockIdx.z, head = blockIdx.y;
+  const int q_begin = query_start_loc[seq];
+  const int q_len = query_start_loc[seq + 1] - q_begin;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+  if (m0 >= q_len) return;
+  const int prefix = context_lens[seq] - q_len;
+  const int rows_here = min(kBlockM, q_len - m0);
+  const int kv_end = prefix + m0 + rows_here;  // the tile's last row sees keys [0, kv_end)
+  const int num_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int* table = block_tables + (long long)seq * block_table_stride;
+  const long long row_stride = (long long)num_kv_heads * HEAD_DIM;
+  const long long head_offset = (long long)kv_head * HEAD_DIM;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
+  const int warp_row0 = warp * 16;        // the warp's first row in the tile
+  const int pos0 = prefix + m0 + warp_row0 + g, pos1 = pos0 + 8;  // absolute positions of this lane's 2 rows
+
+  // Q tile (rows past q_len zero-filled) in one cp.async group, the first K tile in the next.
+  for (int i = threadIdx.x; i < kBlockM * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool valid = r < rows_here;
+    const T* src = query + (long long)(q_begin + m0 + (valid ? r : 0)) * q_stride + (long long)head * HEAD_DIM + c * 8;
+    cp_async_16(s_q + swizzled<HEAD_DIM>(r, c), src, valid);
+  }
+  cp_async_commit();
+  load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_k, k_cache, table, 0, kv_end, row_stride, head_offset);
+  cp_async_commit();
+
+  // ldmatrix lane roles: matrix index mi and row within it. For head_dim <= 128 each warp keeps its 16 Q rows as
+  // A fragments in registers for the whole KV loop (loaded once the Q group has landed).
+  const int mi = lane >> 3, mrow = lane & 7;
+  unsigned int q_frag[kQInRegs ? kKSteps : 1][4];
+  if constexpr (kQInRegs) {
+    cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk)
+      ldmatrix_x4(q_frag[kk], s_q + swizzled<HEAD_DIM>(warp_row0 + (mi & 1) * 8 + mrow, 2 * kk + (mi >> 1)));
+  }
+  float o[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m_run0 = neg_inf(), m_run1 = neg_inf(), l_run0 = 0.f, l_run1 = 0.f;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int n0 = tile * BLOCK_N;
+    cp_async_wait<0>();
+    __syncthreads();  // K tile (and Q) visible; every warp is done with the previous V tile
+    load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_v, v_cache, table, n0, kv_end, row_stride, head_offset);
+    cp_async_commit();
+    // A warp whose rows are all padding, or all before this tile's first key, has nothing to add.
+    const bool active = warp_row0 < rows_here && n0 <= prefix + m0 + warp_row0 + 15;
+
+    float s[kNTiles][4];
+    if (active) {
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        unsigned int a_reg[4];
+        if constexpr (kQInRegs) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a_reg[r] = q_frag[kk][r];
+        } else {
+          ldmatrix_x4(a_reg, s_q + swizzled<HEAD_DIM>(warp_row0 + (mi & 1) * 8 + mrow, 2 * kk + (mi >> 1)));
+        }
+#pragma unroll
+        for (int n = 0; n < kNTiles; n += 2) {
+          unsigned int b[4];
+          ldmatrix_x4(b, s_k + swizzled<HEAD_DIM>((n + (mi >> 1)) * 8 + mrow, 2 * kk + (mi & 1)));
+          mma_16816<T>(s[n], a_reg, b[0], b[1]);
+          mma_16816<T>(s[n + 1], a_reg, b[2], b[3]);
+        }
+      }
+      // Scale into the log2 domain and apply the causal mask where the tile crosses the diagonal.
+      const bool need_mask = n0 + BLOCK_N - 1 > prefix + m0 + warp_row0;
+      float tmax0 = neg_inf(), tmax1 = neg_inf();
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + n * 8 + 2 * t + (e & 1);
+          float v = s[n][e] * scale_log2;
+          if (need_mask && key > (e < 2 ? pos0 : pos1)) v = neg_inf();
+          s[n][e] = v;
+        }
+        tmax0 = fmaxf(tmax0, fmaxf(s[n][0], s[n][1]));
+        tmax1 = fmaxf(tmax1, fmaxf(s[n][2], s[n][3]));
+      }
+      tmax0 = warp_max_range<1, 4>(tmax0);
+      tmax1 = warp_max_range<1, 4>(tmax1);
+      const float m_new0 = fmaxf(m_run0, tmax0), m_new1 = fmaxf(m_run1, tmax1);
+      // A row with no visible key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+      const float base0 = m_new0 == neg_inf() ? 0.f : m_new0, base1 = m_new1 == neg_inf() ? 0.f : m_new1;
+      const float alpha0 = exp2f(m_run0 - base0), alpha1 = exp2f(m_run1 - base1);
+      m_run0 = m_new0;
+      m_run1 = m_new1;
+      float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n) {
+        s[n][0] = exp2f(s[n][0] - base0);
+        s[n][1] = exp2f(s[n][1] - base0);
+        s[n][2] = exp2f(s[n][2] - base1);
+        s[n][3] = exp2f(s[n][3] - base1);
+        sum0 += s[n][0] + s[n][1];
+        sum1 += s[n][2] + s[n][3];
+      }
+      l_run0 = l_run0 * alpha0 + sum0;  // per-lane partial row sums; reduced over the quad at the end
+      l_run1 = l_run1 * alpha1 + sum1;
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d) {
+        o[d][0] *= alpha0;
+        o[d][1] *= alpha0;
+        o[d][2] *= alpha1;
+        o[d][3] *= alpha1;
+      }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V tile visible; every warp is done reading this K tile
+    if (tile + 1 < num_tiles) {
+      load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_k, k_cache, table, n0 + BLOCK_N, kv_end, row_stride,
+                                                               head_offset);
+      cp_async_commit();
+    }
+    if (active) {
+      // O += P V: S accumulators of n-tiles (2j, 2j+1) form the A fragment of key step j.
+#pragma unroll
+      for (int j = 0; j < BLOCK_N / 16; ++j) {
+        unsigned int a_reg[4];
+        a_reg[0] = pack2<T>(s[2 * j][0], s[2 * j][1]);
+        a_reg[1] = pack2<T>(s[2 * j][2], s[2 * j][3]);
+        a_reg[2] = pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]);
+        a_reg[3] = pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3]);
+#pragma unroll
+        for (int d = 0; d < kDTiles; d += 2) {
+          unsigned int b[4];
+          ldmatrix_x4_trans(b, s_v + swizzled<HEAD_DIM>(j * 16 + (mi & 1) * 8 + mrow, d + (mi >> 1)));
+          mma_16816<T>(o[d], a_reg, b[0], b[1]);
+          mma_16816<T>(o[d + 1], a_reg, b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  l_run0 = warp_sum_range<1, 4>(l_run0);
+  l_run1 = warp_sum_range<1, 4>(l_run1);
+  const float inv0 = l_run0 > 0.f ? 1.f / l_run0 : 0.f, inv1 = l_run1 > 0.f ? 1.f / l_run1 : 0.f;
+  const int r0 = m0 + warp_row0 + g, r1 = r0 + 8;  // rows within the sequence's new tokens
+  T* out_head = out + (long long)head * HEAD_DIM + 2 * t;
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) {
+    if (r0 < q_len)
+      *reinterpret_cast<unsigned int*>(out_head + (long long)(q_begin + r0) * out_stride + d * 8) =
+          pack2<T>(o[d][0] * inv0, o[d][1] * inv0);
+    if (r1 < q_len)
+      *reinterpret_cast<unsigned int*>(out_head + (long long)(q_begin + r1) * out_stride + d * 8) =
+          pack2<T>(o[d][2] * inv1, o[d][3] * inv1);
+  }
+}
+
+// fp32 prefill: the same contract as paged_prefill_kernel, on CUDA cores. Each warp owns 4 query rows of a
+// 16-row tile; each lane scores one key of a 32-key tile (K rows padded by one float, so conflict-free) and owns
+// HEAD_DIM / 32 output columns. Dynamic shared memory: (16 * HEAD_DIM + 32 * (HEAD_DIM + 1) + 32 * HEAD_DIM) * 4.
+template <int HEAD_DIM, int BLOCK_SIZE>
+__global__ void __launch_bounds__(128)
+    paged_prefill_fp32_kernel(float* __restrict__ out, const float* __restrict__ query,
+                              const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+                              const int* __restrict__ block_tables, const int* __restrict__ context_lens,
+                              const int* __restrict__ query_start_loc, long long out_stride, long long q_stride,
+                              int block_table_stride, int num_heads, int num_kv_heads, int seq_offset,
+                              float scale_log2) {
+  using namespace pagedserve;
+  constexpr int kRows = 4, kBlockM = 16, kBlockN = 32, kPad = HEAD_DIM + 1, kPerLane = HEAD_DIM / 32;
+  extern __shared__ float4 smem_f4[];
+  float* s_q = reinterpret_cast<float*>(smem_f4);
+  float* s_k = s_q + kBlockM * HEAD_DIM;
+  float* s_v = s_k + kBlockN * kPad;
+
+  const int seq = seq_offset + blockIdx.z, head = blockIdx.y;
+  const int q_begin = query_start_loc[seq];
+  const int q_len = query_start_loc[seq + 1] - q_begin;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+  if (m0 >= q_len) return;
+  const int prefix = context_lens[seq] - q_len;
+  const int rows_here = min(kBlockM, q_len - m0);
+  const int kv_end = prefix + m0 + rows_here;
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int* table = block_tables + (long long)seq * block_table_stride;
+  const long long row_stride = (long long)num_kv_heads * HEAD_DIM;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  for (int i = threadIdx.x; i < kBlockM * HEAD_DIM; i += 128) {
+    const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+    s_q[i] = r < rows_here ? query[(long long)(q_begin + m0 + r) * q_stride + (long long)head * HEAD_DIM + d] * scale_log2
+                           : 0.f;
+  }
+  float o[kRows][kPerLane], m_run[kRows], l_run[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m_run[r] = neg_inf();
+    l_run[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) o[r][e] = 0.f;
+  }
+
+  for (int n0 = 0; n0 < kv_end; n0 += kBlockN) {
+    __syncthreads();  // previous tile fully consumed (and s_q written, on the first pass)
+    for (int i = threadIdx.x; i < kBlockN * (HEAD_DIM / 4); i += 128) {
+      const int r = i / (HEAD_DIM / 4), c = (i % (HEAD_DIM / 4)) * 4, token = n0 + r;
+      float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f), v4 = k4;
+      if (token < kv_end) {
+        const int phys = __ldg(table + token / BLOCK_SIZE);
+        const long long off = ((long long)phys * BLOCK_SIZE + token % BLOCK_SIZE) * row_stride +
+                              (long long)kv_head * HEAD_DIM + c;
+        k4 = __ldg(reinterpret_cast<const float4*>(k_cache + off));
+        v4 = __ldg(reinterpret_cast<const float4*>(v_cache + off));
+      }
+      s_k[r * kPad + c] = k4.x; s_k[r * kPad + c + 1] = k4.y; s_k[r * kPad + c + 2] = k4.z; s_k[r * kPad + c + 3] = k4.w;
+      *reinterpret_cast<float4*>(s_v + r * HEAD_DIM + c) = v4;
+    }
+    __syncthreads();
+
+    float sc[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) sc[r] = 0.f;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+      const float k = s_k[lane * kPad + d];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) sc[r] = fmaf(s_q[(warp * kRows + r) * HEAD_DIM + d], k, sc[r]);
+    }
+    float p[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int pos = prefix + m0 + warp * kRows + r;
+      const float v = n0 + lane <= pos ? sc[r] : neg_inf();
+      const float m_new = fmaxf(m_run[r], warp_max_range<1, 32>(v));
+      const float base = m_new == neg_inf() ? 0.f : m_new;
+      const float alpha = exp2f(m_run[r] - base);
+      p[r] = exp2f(v - base);
+      l_run[r] = l_run[r] * alpha + warp_sum_range<1, 32>(p[r]);
+      m_run[r] = m_new;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) o[r][e] *= alpha;
+    }
+    for (int j = 0; j < kBlockN; ++j) {
+      float vj[kPerLane];
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) vj[e] = s_v[j * HEAD_DIM + lane + 32 * e];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float pj = __shfl_sync(0xffffffffu, p[r], j);
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) o[r][e] = fmaf(pj, vj[e], o[r][e]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = m0 + warp * kRows + r;
+    if (row >= q_len) continue;
+    const float inv = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
+    float* dst = out + (long long)(q_begin + row) * out_stride + (long long)head * HEAD_DIM;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) dst[lane + 32 * e] = o[r][e] * inv;
+  }
+}

@@ -1,0 +1,87 @@
+"""CUDA attention backend: the CuPy RawModule kernels of ``cuda/`` behind the :class:`AttentionBackend` interface.
+
+Same semantics as :class:`pagedserve.attention.torch_ref.TorchAttentionBackend` (the oracle): reshape_and_cache
+writes the step's new K/V rows, then the first ``num_decode_seqs`` sequences (one new token each) run the paged
+decode kernel (GQA-tiled, split-K) and the rest run the paged prefill kernel (causal over the cached prefix and
+the new tokens). The decode launch plan depends only on the step's metadata, so it is computed once per step and
+reused by every layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import kernel_geometry as geo
+from .. import kernels
+from .base import AttentionBackend, AttentionMetadata
+
+
+class CudaAttentionBackend(AttentionBackend):
+    """Paged attention on CUDA through :mod:`pagedserve.kernels`. Instances hold only a per-step plan cache."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan_shape: tuple | None = None
+        self._plan: geo.DecodePlan | None = None
+
+    def _decode_plan(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
+                     block_size: int, device: torch.device) -> geo.DecodePlan:
+        shape = (num_heads, num_kv_heads, head_dim, block_size, device.index)
+        if self._plan is None or meta is not self._plan_meta or shape != self._plan_shape:
+            nd = meta.num_decode_seqs
+            self._plan = geo.plan_decode(meta.context_lens_cpu[:nd], num_heads, num_kv_heads, head_dim, block_size,
+                                         kernels.num_sms(device.index))
+            self._plan_meta, self._plan_shape = meta, shape
+        return self._plan
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`. Returns a new contiguous ``[T, num_heads, head_dim]``.
+
+        Raises:
+            ValueError: on a dtype, shape, stride or device mismatch (before any kernel runs).
+        """
+        if query.dim() != 3 or key.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
+            raise ValueError(f"query/key/value: bad shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                             f"{tuple(value.shape)}")
+        if key.dtype != query.dtype or value.dtype != query.dtype:
+            raise ValueError(f"key/value: dtype {key.dtype}/{value.dtype} != query dtype {query.dtype}")
+        nd, num_seqs = meta.num_decode_seqs, meta.num_seqs
+        if not 0 <= nd <= num_seqs:
+            raise ValueError(f"meta.num_decode_seqs: {nd} not in [0, {num_seqs}]")
+        kernels.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if nd > 0:
+            _, block_size, num_kv_heads, head_dim = k_cache.shape
+            plan = self._decode_plan(meta, query.shape[1], num_kv_heads, head_dim, block_size, query.device)
+            kernels.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.block_tables,
+                                           meta.context_lens, scale, plan=plan)
+        if nd < num_seqs:
+            max_query_len = max(meta.query_lens_cpu[nd:])
+            kernels.paged_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                            meta.query_start_loc, scale, seq_offset=nd,
+                                            num_prefill_seqs=num_seqs - nd, max_query_len=max_query_len)
+        return out
+
+
+def cuda_backend_error(device: torch.device | str) -> str | None:
+    """Why the CUDA backend cannot run on ``device``, or None when it can (torch sees the GPU, CuPy imports and
+    a trivial kernel module compiles and launches)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA device"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure disqualifies the backend
+        return f"cupy does not import: {exc}"
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        probe = torch.zeros(1, 8, dtype=torch.float16, device=f"cuda:{index}")
+        kernels.silu_and_mul(probe)
+        torch.cuda.synchronize(index)
+    except Exception as exc:  # noqa: BLE001 - NVRTC / driver / header problems all mean "unusable"
+        return f"CUDA kernels failed to compile or launch: {exc}"
+    return None

@@ -1,0 +1,301 @@
+"""Finding, compiling and caching the CUDA sources in ``cuda/`` with NVRTC (through CuPy).
+
+Each kernel family is one ``.cu`` file; its local ``#include "..."`` lines are inlined here so the text handed to
+NVRTC (and hashed by CuPy's on-disk kernel cache) is the whole translation unit. A module is compiled per
+:class:`ModuleKey` (family, dtype, head_dim, block_size, arch) with the templates it needs as NVRTC name
+expressions, and cached for the life of the process.
+
+:func:`compile_to_cubin` compiles the same source for a named architecture (``sm_80``, ``sm_90``) without a GPU and
+returns the ptxas report, so CPU-only tests can check that every kernel builds and that none spills registers.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import kernel_geometry as geo
+
+FAMILY_SOURCES = {"cache": "cache_ops.cu", "decode": "decode_attention.cu",
+                  "prefill": "prefill_attention.cu", "elementwise": "elementwise.cu"}
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message carries the compiler log."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleKey:
+    """One compiled module: a kernel family for one configuration and GPU architecture."""
+
+    family: str                  # key of FAMILY_SOURCES
+    dtype: str | None = None     # "float16" | "bfloat16" | "float32" (None: dtype-agnostic family)
+    head_dim: int | None = None
+    block_size: int | None = None
+    arch: str = "sm_90"          # "sm_80", "sm_90", ...
+
+    def name_expressions(self) -> tuple[str, ...]:
+        """The template instantiations this module holds."""
+        d, hd, bs = self.dtype, self.head_dim, self.block_size
+        if self.family == "cache":
+            units = tuple(geo.COPY_UNITS)
+            return (tuple(geo.reshape_and_cache_kernel_name(u) for u in units)
+                    + tuple(geo.copy_blocks_kernel_name(u) for u in units))
+        if self.family == "decode":
+            return (tuple(geo.decode_kernel_name(d, hd, bs, t) for t in geo.DECODE_GQA_TILES)
+                    + (geo.decode_merge_kernel_name(d, hd),))
+        if self.family == "prefill":
+            return (geo.prefill_kernel_name(d, hd, bs),)
+        if self.family == "elementwise":
+            vecs = sorted({geo.vec_elems(d), 1})
+            return (tuple(geo.rms_norm_kernel_name(d, v, r) for v in vecs for r in (False, True))
+                    + tuple(geo.rotary_kernel_name(d, n) for n in (True, False))
+                    + tuple(geo.silu_and_mul_kernel_name(d, v) for v in vecs))
+        raise ValueError(f"family: unknown kernel family {self.family!r}")
+
+
+def default_source_dir() -> Path:
+    """``cuda/`` at the repository root (this file is service/pagedserve/kernel_build.py)."""
+    return Path(__file__).resolve().parents[2] / "cuda"
+
+
+def load_source(filename: str, source_dir: Path | str | None = None) -> str:
+    """Read ``filename`` from the CUDA source folder with its local includes inlined (each at most once)."""
+    root = Path(source_dir) if source_dir is not None else default_source_dir()
+    if not (root / filename).is_file():
+        raise FileNotFoundError(f"CUDA source {filename} not found in {root}")
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        lines = [f'#line 1 "{name}"']
+        for number, line in enumerate((root / name).read_text().splitlines(), start=1):
+            match = _INCLUDE_RE.match(line)
+            if match and (root / match.group(1)).is_file():
+                if match.group(1) not in seen:
+                    seen.add(match.group(1))
+                    lines.append(expand(match.group(1)))
+                    lines.append(f'#line {number + 1} "{name}"')
+                continue
+            lines.append("" if line.strip() == "#pragma once" else line)
+        return "\n".join(lines)
+
+    return expand(filename) + "\n"
+
+
+def _header_cudart_major(include_dir: Path) -> int | None:
+    header = include_dir / "cuda_runtime_api.h"
+    if not header.is_file():
+        return None
+    match = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", header.read_text(errors="ignore"))
+    return int(match.group(1)) // 1000 if match else None
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cupy_backends.cuda.libs import nvrtc
+    return tuple(nvrtc.getVersion())  # type: ignore[return-value]
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding the CUDA headers (cuda_fp16.h, ...) for NVRTC: the CUDA toolkit CuPy found, else the
+    nvidia-cuda-runtime wheel's, preferring one whose CUDA major version matches NVRTC's."""
+    candidates: list[Path] = []
+    try:
+        import cupy
+        cuda_path = cupy.cuda.get_cuda_path()
+        if cuda_path:
+            candidates.append(Path(cuda_path) / "include")
+    except Exception:  # noqa: BLE001 - CuPy without a toolkit path: fall through to the wheels
+        pass
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cuda_runtime/include", "cu13/include", "cu12/include"):
+            candidates.append(Path(base) / sub)
+    existing = [c for c in candidates if (c / "cuda_fp16.h").is_file()]
+    try:
+        major = nvrtc_version()[0]
+    except Exception:  # noqa: BLE001 - no NVRTC: the compile itself will report it
+        major = None
+    matching = [c for c in existing if _header_cudart_major(c) == major]
+    chosen = matching or existing
+    return [str(chosen[0])] if chosen else []
+
+
+def nvrtc_options(include_dirs: list[str] | None = None) -> tuple[str, ...]:
+    """Options shared by run-time modules and :func:`compile_to_cubin`. No --use_fast_math: exp2f, expf and rsqrtf
+    keep their accurate forms (CuPy adds -ftz=true to run-time compiles, so the CPU compile adds it too)."""
+    dirs = cuda_include_dirs() if include_dirs is None else include_dirs
+    return ("-std=c++17", "-DNDEBUG", *(f"-I{d}" for d in dirs))
+
+
+_modules: dict[ModuleKey, object] = {}
+_functions: dict[tuple[ModuleKey, str], object] = {}
+_lock = threading.Lock()
+
+
+def get_kernel(key: ModuleKey, name: str, source_dir: Path | str | None = None):
+    """The ``cupy.RawKernel`` for template ``name`` of module ``key``, compiling on first use (cached).
+
+    Must be called with the target device current (``cupy.cuda.Device``): RawModule compiles for it.
+    """
+    cached = _functions.get((key, name))
+    if cached is not None:
+        return cached
+    import cupy
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            source = load_source(FAMILY_SOURCES[key.family], source_dir)
+            module = cupy.RawModule(code=source, options=nvrtc_options(),
+                                    name_expressions=list(key.name_expressions()))
+            _modules[key] = module
+        try:
+            function = module.get_function(name)
+        except cupy.cuda.compiler.CompileException as exc:
+            _modules.pop(key, None)
+            raise KernelCompileError(f"{key}: {exc}") from exc
+        _functions[(key, name)] = function
+        return function
+
+
+# ---- launching ----------------------------------------------------------------------------------------------
+_DEFAULT_SMEM_LIMIT = 48 * 1024
+
+
+class _StreamHandle:
+    """Minimal CUDA-stream-protocol object around a raw ``cudaStream_t``."""
+
+    def __init__(self, ptr: int):
+        self._ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self._ptr)
+
+
+_streams: dict[tuple[int, int], object] = {}
+_big_smem: set[tuple[int, str, int]] = set()
+
+
+def _cupy_stream(device: torch.device):
+    """CuPy view of torch's current stream on ``device`` (cached per raw stream handle)."""
+    import cupy
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    stream = _streams.get((device.index, ptr))
+    if stream is None:
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:  # CuPy < 14
+            stream = cupy.cuda.ExternalStream(ptr, device.index)
+        _streams[(device.index, ptr)] = stream
+    return stream
+
+
+@functools.cache
+def device_arch(index: int) -> str:
+    """``sm_XY`` of CUDA device ``index``."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}"
+
+
+@functools.cache
+def num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch(key: ModuleKey, name: str, device, grid, block, args, smem_bytes: int = 0) -> None:
+    """Launch template ``name`` of module ``key`` on torch's current stream of ``device`` (a CUDA
+    ``torch.device``), raising the dynamic shared-memory limit first when ``smem_bytes`` needs it."""
+    import cupy
+    with cupy.cuda.Device(device.index):
+        kernel = get_kernel(key, name)
+        if smem_bytes > _DEFAULT_SMEM_LIMIT and (device.index, name, smem_bytes) not in _big_smem:
+            kernel.max_dynamic_shared_size_bytes = smem_bytes
+            _big_smem.add((device.index, name, smem_bytes))
+        with _cupy_stream(device):
+            kernel(tuple(grid), tuple(block), tuple(args), shared_mem=smem_bytes)
+
+
+def tensor_ptr(t) -> np.uint64:
+    """A torch tensor's device address as a kernel pointer argument."""
+    return np.uint64(t.data_ptr())
+
+
+def module_key(device, family: str, dtype=None, head_dim=None, block_size=None) -> ModuleKey:
+    """:class:`ModuleKey` for ``device``'s architecture."""
+    return ModuleKey(family, dtype, head_dim, block_size, device_arch(device.index))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelResources:
+    """ptxas's report for one kernel."""
+
+    registers: int
+    stack_frame_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CubinResult:
+    cubin: bytes
+    log: str                              # NVRTC log, including ptxas -v output
+    lowered_names: dict[str, str]         # name expression -> mangled kernel name
+    resources: dict[str, KernelResources]  # name expression -> ptxas report
+
+
+def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
+    """Per mangled kernel name: registers, stack frame and spill bytes from ``ptxas -v`` output."""
+    out: dict[str, KernelResources] = {}
+    current, frame = None, (0, 0, 0)
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            current = m.group(1)
+        elif (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            frame = tuple(int(x) for x in m.groups())
+        elif (m := re.search(r"Used (\d+) registers", line)) and current is not None:
+            out[current] = KernelResources(int(m.group(1)), *frame)
+            current, frame = None, (0, 0, 0)
+    return out
+
+
+def compile_to_cubin(key: ModuleKey, source_dir: Path | str | None = None,
+                     include_dirs: list[str] | None = None) -> CubinResult:
+    """Compile module ``key`` for ``key.arch`` to CUBIN with NVRTC and ``--ptxas-options=-v``; needs no GPU.
+
+    Raises:
+        KernelCompileError: with the NVRTC log, when compilation fails.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+    filename = FAMILY_SOURCES[key.family]
+    names = key.name_expressions()
+    prog = nvrtc.createProgram(load_source(filename, source_dir), filename, [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        options = [f"-arch={key.arch}", *nvrtc_options(include_dirs), "-ftz=true", "--ptxas-options=-v"]
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise KernelCompileError(f"{key}: {exc}\n{nvrtc.getProgramLog(prog)}") from exc
+        log = nvrtc.getProgramLog(prog)
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
+        by_mangled = parse_ptxas_log(log)
+        resources = {name: by_mangled[m] for name, m in lowered.items() if m in by_mangled}
+        return CubinResult(cubin=nvrtc.getCUBIN(prog), log=log, lowered_names=lowered, resources=resources)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def nvrtc_available() -> bool:
+    """True when CuPy's NVRTC bindings load and the CUDA headers are found (no GPU needed)."""
+    try:
+        nvrtc_version()
+    except Exception:  # noqa: BLE001 - any loader failure means "not available"
+        return False
+    return bool(cuda_include_dirs())

@@ -1,0 +1,271 @@
+"""Pure-Python side of the CUDA kernels in ``cuda/``: template names, launch geometry and argument checks.
+
+Nothing here touches CUDA, so every function is unit-testable on a CPU-only machine. The constants mirror the
+kernels' template parameters; :mod:`pagedserve.kernels` builds NVRTC name expressions from them and launches with
+the geometry computed here. Argument checks raise :class:`ValueError` naming the offending argument and run before
+any CUDA call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_BLOCK_SIZES = (16, 32)
+COPY_UNITS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}  # bytes -> CUDA type for the byte movers
+
+DECODE_NUM_WARPS = 4
+DECODE_GQA_TILES = (1, 2, 4, 8)
+DECODE_MIN_PARTITION = 128      # tokens; split-K partitions never get smaller than this
+DECODE_BASE_PARTITION = 512     # tokens; the starting partition size once a context needs splitting
+PREFILL_NUM_WARPS = 4           # the mma kernel: 16 query rows per warp
+PREFILL_FP32_BLOCK_M, PREFILL_FP32_BLOCK_N, PREFILL_FP32_THREADS = 16, 32, 128
+
+
+def dtype_name(dtype: torch.dtype, arg: str = "dtype") -> str:
+    """``torch.float16`` -> ``"float16"``; raises ValueError naming ``arg`` for an unsupported dtype."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{arg}: dtype {dtype} not supported (float16, bfloat16, float32)")
+    return SUPPORTED_DTYPES[dtype]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- template names ---------------------------------------------------------------------------------------------
+def decode_kernel_name(dtype: str, head_dim: int, block_size: int, gqa_tile: int) -> str:
+    return f"paged_decode_kernel<{CTYPES[dtype]}, {head_dim}, {block_size}, {gqa_tile}, {DECODE_NUM_WARPS}>"
+
+
+def decode_merge_kernel_name(dtype: str, head_dim: int) -> str:
+    return f"paged_decode_merge_kernel<{CTYPES[dtype]}, {head_dim}>"
+
+
+def prefill_block_n(head_dim: int) -> int:
+    """Keys per K/V tile of the tensor-core prefill kernel (smaller at head_dim 256 to bound registers/smem)."""
+    return 32 if head_dim > 128 else 64
+
+
+def prefill_kernel_name(dtype: str, head_dim: int, block_size: int) -> str:
+    if dtype == "float32":
+        return f"paged_prefill_fp32_kernel<{head_dim}, {block_size}>"
+    return (f"paged_prefill_kernel<{CTYPES[dtype]}, {head_dim}, {block_size}, {PREFILL_NUM_WARPS}, "
+            f"{prefill_block_n(head_dim)}>")
+
+
+def vec_elems(dtype: str) -> int:
+    """Elements in one 16-byte vector."""
+    return 16 // ELEM_BYTES[dtype]
+
+
+def rms_norm_kernel_name(dtype: str, vec: int, residual: bool) -> str:
+    return f"rms_norm_kernel<{CTYPES[dtype]}, {vec}, {'true' if residual else 'false'}>"
+
+
+def rotary_kernel_name(dtype: str, is_neox: bool) -> str:
+    return f"rotary_embedding_kernel<{CTYPES[dtype]}, {'true' if is_neox else 'false'}>"
+
+
+def silu_and_mul_kernel_name(dtype: str, vec: int) -> str:
+    return f"silu_and_mul_kernel<{CTYPES[dtype]}, {vec}>"
+
+
+def reshape_and_cache_kernel_name(unit_bytes: int) -> str:
+    return f"reshape_and_cache_kernel<{COPY_UNITS[unit_bytes]}>"
+
+
+def copy_blocks_kernel_name(unit_bytes: int) -> str:
+    return f"copy_blocks_kernel<{COPY_UNITS[unit_bytes]}>"
+
+
+# ---- launch geometry --------------------------------------------------------------------------------------------
+def decode_gqa_tile(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads one decode thread block serves per KV head: the group size rounded up to 1/2/4/8 (groups
+    larger than 8 take several blocks per KV head)."""
+    group = num_heads // num_kv_heads
+    return next((t for t in DECODE_GQA_TILES if t >= group), DECODE_GQA_TILES[-1])
+
+
+def decode_partition_size(context_lens: list[int], kv_programs: int, num_sms: int, block_size: int) -> int:
+    """Tokens per split-K partition for one decode batch.
+
+    Contexts up to 512 tokens are not split. Longer ones start at 512-token partitions; the size halves (down
+    to 128) while the grid would give fewer than 4 working blocks per SM, and doubles while it would still give
+    at least 32 (fewer partial results to merge). ``kv_programs`` is blocks per sequence per partition
+    (num_kv_heads * head tiles). Returns a multiple of ``block_size``; a value >= max(context_lens) means one
+    partition (no merge).
+    """
+    max_ctx = max(context_lens, default=0)
+    single = max(block_size, cdiv(max_ctx, block_size) * block_size)
+    if max_ctx <= DECODE_BASE_PARTITION:
+        return single
+
+    def working_blocks(size: int) -> int:
+        return sum(cdiv(c, size) for c in context_lens) * kv_programs
+
+    size = DECODE_BASE_PARTITION
+    while size > max(DECODE_MIN_PARTITION, block_size) and working_blocks(size) < 4 * num_sms:
+        size //= 2
+    while size * 2 < max_ctx and working_blocks(size * 2) >= 32 * num_sms:
+        size *= 2
+    return single if size >= max_ctx else size
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """Launch geometry of one decode batch (shared by every layer of a step)."""
+
+    gqa_tile: int                 # query heads per block (template parameter)
+    partition_size: int           # tokens per partition
+    num_partitions: int           # grid.x; 1 means no merge kernel
+    grid: tuple[int, int, int]    # (partitions, num_kv_heads * head tiles, num_seqs)
+    block: tuple[int, int, int]
+    merge_grid: tuple[int, int, int]
+    merge_block: tuple[int, int, int]
+    merge_smem_bytes: int
+
+
+def plan_decode(context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                num_sms: int) -> DecodePlan:
+    """Geometry of paged_decode_kernel (+ merge) for ``len(context_lens)`` sequences."""
+    tile = decode_gqa_tile(num_heads, num_kv_heads)
+    kv_programs = num_kv_heads * cdiv(num_heads // num_kv_heads, tile)
+    size = decode_partition_size(context_lens, kv_programs, num_sms, block_size)
+    parts = max(1, cdiv(max(context_lens, default=0), size))
+    num_seqs = len(context_lens)
+    return DecodePlan(gqa_tile=tile, partition_size=size, num_partitions=parts,
+                      grid=(parts, kv_programs, num_seqs), block=(DECODE_NUM_WARPS * 32, 1, 1),
+                      merge_grid=(num_heads, num_seqs, 1), merge_block=(min(head_dim, 256), 1, 1),
+                      merge_smem_bytes=4 * parts)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchGeometry:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+
+
+def plan_prefill(dtype: str, head_dim: int, num_heads: int, num_prefill_seqs: int,
+                 max_query_len: int) -> LaunchGeometry:
+    """Geometry of the prefill kernel: (m-tiles, heads, sequences) blocks and its dynamic shared memory."""
+    if dtype == "float32":
+        block_m, threads = PREFILL_FP32_BLOCK_M, PREFILL_FP32_THREADS
+        n = PREFILL_FP32_BLOCK_N
+        smem = 4 * (block_m * head_dim + n * (head_dim + 1) + n * head_dim)
+    else:
+        block_m, threads = 16 * PREFILL_NUM_WARPS, 32 * PREFILL_NUM_WARPS
+        smem = ELEM_BYTES[dtype] * head_dim * (block_m + 2 * prefill_block_n(head_dim))
+    return LaunchGeometry(grid=(max(1, cdiv(max_query_len, block_m)), num_heads, num_prefill_seqs),
+                          block=(threads, 1, 1), smem_bytes=smem)
+
+
+def rows_block(num_items: int, max_threads: int = 1024, min_threads: int = 32) -> int:
+    """Threads per block for a one-block-per-row kernel with ``num_items`` units of work per row."""
+    return max(min_threads, min(max_threads, cdiv(num_items, 32) * 32))
+
+
+def plan_rows(num_rows: int, items_per_row: int, max_threads: int = 1024) -> LaunchGeometry:
+    """One block per row (rms_norm, rotary_embedding, reshape_and_cache)."""
+    return LaunchGeometry(grid=(num_rows, 1, 1), block=(rows_block(items_per_row, max_threads), 1, 1), smem_bytes=0)
+
+
+def plan_silu_and_mul(num_tokens: int, num_vecs: int) -> LaunchGeometry:
+    """(tokens, column blocks of 256 threads) for silu_and_mul_kernel over ``num_vecs`` vectors per row."""
+    threads = rows_block(num_vecs, 256)
+    return LaunchGeometry(grid=(num_tokens, min(cdiv(num_vecs, threads), 65535), 1), block=(threads, 1, 1),
+                          smem_bytes=0)
+
+
+def copy_unit_bytes(*byte_quantities: int) -> int:
+    """Widest copy unit (16, 4 or 2 bytes) dividing every address / stride / size in ``byte_quantities``."""
+    for unit in (16, 4, 2):
+        if all(q % unit == 0 for q in byte_quantities):
+            return unit
+    raise ValueError(f"byte quantities {byte_quantities} are not 2-byte aligned")
+
+
+def vec_for_rows(dtype: str, row_elems: int, *byte_quantities: int) -> int:
+    """16-byte vector width in elements if ``row_elems`` and every byte quantity allow it, else 1."""
+    v = vec_elems(dtype)
+    return v if row_elems % v == 0 and all(q % 16 == 0 for q in byte_quantities) else 1
+
+
+# ---- argument checks ----------------------------------------------------------------------------------------------
+def check_tensor(name: str, t, *, dtypes=None, ndim: int | None = None, shape: tuple | None = None,
+                 contiguous: bool = False, inner_contiguous: int = 0) -> None:
+    """Raise ValueError naming ``name`` unless ``t`` is a tensor with the wanted dtype, rank, shape and layout.
+
+    ``shape`` entries that are None are not checked. ``inner_contiguous=k`` requires the last ``k`` dims to be
+    laid out densely (row strides of the leading dims are free). No device check here (see ``check_cuda``).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {t.dtype} not in {tuple(str(d) for d in dtypes)}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None and any(w is not None and w != s for w, s in zip(shape, t.shape)):
+        want = tuple("*" if w is None else w for w in shape)
+        raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
+    if inner_contiguous:
+        expected = 1
+        for dim in range(t.dim() - 1, t.dim() - 1 - inner_contiguous, -1):
+            if t.shape[dim] != 1 and t.stride(dim) != expected:
+                raise ValueError(f"{name}: the last {inner_contiguous} dims must be dense, got strides {t.stride()}")
+            expected *= t.shape[dim]
+
+
+def check_aligned(name: str, t: torch.Tensor, row_stride_dim: int | None = 0, align: int = 16) -> None:
+    """Vectorised kernels need the data pointer (and the row stride, in bytes) to be ``align``-byte aligned."""
+    if t.data_ptr() % align:
+        raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
+    if row_stride_dim is not None and t.dim() > row_stride_dim and (t.stride(row_stride_dim) * t.element_size()) % align:
+        raise ValueError(f"{name}: row stride must be a multiple of {align} bytes, got {t.stride()}")
+
+
+def check_cuda(**tensors: torch.Tensor) -> torch.device:
+    """All tensors on one CUDA device; returns it. Raises ValueError naming the first offender."""
+    device = None
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{name}: on {t.device}, expected {device} like the other arguments")
+    return device
+
+
+def check_cache_shape(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """Validate a paged K/V cache pair; returns (num_blocks, block_size, num_kv_heads, head_dim)."""
+    check_tensor("k_cache", k_cache, dtypes=(dtype,), ndim=4, contiguous=True)
+    check_tensor("v_cache", v_cache, dtypes=(dtype,), shape=tuple(k_cache.shape), contiguous=True)
+    _, block_size, _, head_dim = k_cache.shape
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"k_cache: block_size {block_size} not in {SUPPORTED_BLOCK_SIZES}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"k_cache: head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}")
+    check_aligned("k_cache", k_cache, None)
+    check_aligned("v_cache", v_cache, None)
+    return tuple(k_cache.shape)  # type: ignore[return-value]
+
+
+def check_heads(num_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+
+
+def log2e_scale(scale: float) -> float:
+    """Softmax scale folded with log2(e): the kernels use exp2."""
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale: must be a positive finite float, got {scale}")
+    return float(scale) * math.log2(math.e)
