@@ -16,7 +16,7 @@ def buf_curl(server, method: str, data: dict | None = None, *extra: str) -> subp
     url = f"http://{server.target}" + (f"/{method}" if method else "")
     cmd = [BUF, "curl", "--protocol", "grpc", "--http2-prior-knowledge", *extra, url]
     if data is not None:
-        cmd[3:3] = ["--data", json.dumps(data)]
+        cmd[2:2] = ["--data", json.dumps(data)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 

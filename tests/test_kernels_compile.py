@@ -3,6 +3,7 @@ argument checks that must reject bad inputs before any CUDA call."""
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -21,16 +22,24 @@ ATTENTION_KEYS = [
     *(ModuleKey(f, d, hd, 16, "sm_90") for f in ("decode", "prefill")
       for d in ("float16", "bfloat16", "float32") for hd in (64, 128, 256)),
     *(ModuleKey(f, d, hd, bs, "sm_80") for f in ("decode", "prefill")
-      for d, hd, bs in (("float16", 128, 16), ("bfloat16", 64, 32), ("float32", 256, 32), ("bfloat16", 256, 16))),
+      for d, hd, bs in (("float16", 128, 16), ("bfloat16", 64, 32), ("float32", 256, 32))),
     ModuleKey("decode", "bfloat16", 128, 32, "sm_90"), ModuleKey("prefill", "float16", 64, 32, "sm_90"),
 ]
 OTHER_KEYS = [ModuleKey("cache", arch=a) for a in ("sm_80", "sm_90")] + [
-    ModuleKey("elementwise", d, arch=a) for d in ("float16", "bfloat16", "float32") for a in ("sm_80", "sm_90")]
+    ModuleKey("elementwise", d, arch="sm_90") for d in ("float16", "bfloat16", "float32")] + [
+    ModuleKey("elementwise", "bfloat16", arch="sm_80")]
 
 
 @functools.cache
+def compile_all() -> dict[ModuleKey, kernel_build.CubinResult]:
+    """Every key compiled once per session, two at a time (NVRTC releases the GIL)."""
+    keys = ATTENTION_KEYS + OTHER_KEYS
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(keys, pool.map(compile_to_cubin, keys)))
+
+
 def compiled(key: ModuleKey) -> kernel_build.CubinResult:
-    return compile_to_cubin(key)
+    return compile_all()[key]
 
 
 def test_sources_inline_local_includes():

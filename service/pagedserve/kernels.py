@@ -26,6 +26,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     Same semantics as :func:`pagedserve.attention.torch_ref.reshape_and_cache`. Slots must be < num_blocks *
     block_size (not checked: that would need a device sync)."""
     geo.dtype_name(key.dtype, "key")
+    if isinstance(k_cache, torch.Tensor) and key.dtype != k_cache.dtype:
+        raise ValueError(f"key: dtype {key.dtype} does not match k_cache dtype {k_cache.dtype}")
     _, _, num_kv_heads, head_dim = geo.check_cache_shape(k_cache, v_cache, key.dtype)
     check_tensor("key", key, ndim=3, shape=(None, num_kv_heads, head_dim), inner_contiguous=2)
     check_tensor("value", value, dtypes=(key.dtype,), shape=tuple(key.shape), inner_contiguous=2)

@@ -13,7 +13,7 @@ Order of processing (vLLM / HF-like), each step applied only to the rows (and on
    occurs in prompt + output, a positive logit is divided by the penalty, a negative one multiplied.
 5. ``presence_penalty`` / ``frequency_penalty`` (OpenAI): over output tokens only,
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
-6. greedy rows (temperature 0) take the argmax here. The others:
+6. greedy rows (temperature 0, or below 1e-5) take the argmax here. The others:
 7. temperature: ``logits / temperature``.
 8. ``top_k`` (HF ``TopKLogitsWarper``: tokens below the k-th largest logit are dropped, ties kept), then ``top_p``
    (HF ``TopPLogitsWarper``: drop the least likely tokens whose total mass is <= 1 - top_p, the most likely token
@@ -161,15 +161,10 @@ class Sampler:
         return uniform.log_().neg_().clamp_min_(_TINY)
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            if self._seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(self._seed)
-            self._generators[device] = generator
-        return generator
+        if device not in self._generators:
+            generator = self._generators[device] = torch.Generator(device=device)
+            generator.seed() if self._seed is None else generator.manual_seed(self._seed)
+        return self._generators[device]
 
 
 def filter_mask(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor | None,
@@ -186,7 +181,7 @@ def filter_mask(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor |
     Returns:
         ``[n, V]`` bool, True where a token is dropped (never a row's most likely token), or None if none is.
     """
-    drop = None
+    drop = None  # top-p / min-p read the full-softmax probs: their criteria are ratios, unchanged by renormalizing
     if top_k is not None:
         k = top_k.clamp(0, logits.shape[1])
         kth = logits.topk(max(int(k.max()), 1), dim=-1).values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))
