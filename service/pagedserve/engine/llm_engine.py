@@ -188,7 +188,7 @@ class LLMEngine:
         if logprobs is not None:
             delta.logprobs = [logprobs]
         params, status = req.params, None
-        can_stop = req.num_output_tokens > params.min_tokens or params.min_tokens == 0
+        can_stop = req.num_output_tokens > params.min_tokens  # the sampler masks stops until then
         if can_stop and token in params.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif can_stop and not params.ignore_eos and token in req.eos_token_ids:
@@ -209,6 +209,8 @@ class LLMEngine:
         detok = self._detok.pop(req.request_id, None)
         if detok is not None and not isinstance(req.stop_reason, str) and delta.error is None:
             delta.text += detok.flush()
+            if detok.matched_stop is not None and req.stop_reason is None:  # the held-back tail completed a stop
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.matched_stop
         delta.finish_reason = FINISH_REASONS[req.status]
         delta.matched_stop = req.stop_reason
         group = self.groups[req.parent_id]
