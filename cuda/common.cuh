@@ -132,23 +132,27 @@ __device__ __forceinline__ unsigned int smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
   const int src_bytes = pred ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(src_bytes));
+               "r"(src_bytes)
+               : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// The "memory" clobbers keep the compiler from moving ordinary shared-memory accesses across these.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Four 8x8 b16 matrices from shared memory; lane l supplies the address of row (l & 7) of matrix (l >> 3).
 __device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(smem)));
+               : "r"(smem_addr(smem))
+               : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(smem)));
+               : "r"(smem_addr(smem))
+               : "memory");
 }
 
 // D = A(16x16, row) * B(16x8, col) + D with fp32 accumulators (PTX ISA, mma.m16n8k16 fragment layouts).

@@ -4,18 +4,29 @@ Usage: python scripts/gen_protos.py [--out DIR]   (default: the client package)
 
 grpcio-tools writes absolute imports (``from pagedserve.v1 import inference_pb2``) that would resolve to the
 server package ``pagedserve``; they are rewritten to relative imports so the stubs live inside
-``pagedserve_client.v1``. tests/test_protos.py regenerates into a temp dir and fails on any drift.
+``pagedserve_client.v1``. Typed stubs (``inference_pb2.pyi``, ``inference_pb2_grpc.pyi``) come from mypy-protobuf's
+protoc plugins (dev extra). tests/test_protos.py regenerates into a temp dir and fails on any drift.
 """
 from __future__ import annotations
 
 import argparse
 import pathlib
 import re
+import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 DEFAULT_OUT = ROOT / "client" / "pagedserve_client" / "v1"
+
+
+def _plugin(name: str) -> str:
+    """Path of a protoc plugin installed beside this Python (a venv's bin/) or on PATH."""
+    beside = pathlib.Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"{name} not found: pip install mypy-protobuf (the dev extra)")
+    return found
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -31,8 +42,11 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "pagedserve" / "v1").glob("*.proto"))
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={tmp}",
-                f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", *protos]
+        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{well_known}",
+                f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
+                f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
+                f"--python_out={tmp}", f"--grpc_python_out={tmp}", f"--mypy_out={tmp}", f"--mypy_grpc_out={tmp}",
+                *protos]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed: {' '.join(args)}")
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -84,3 +84,44 @@ def hf_llm(smollm_source):
 @pytest.fixture(scope="session")
 def tokenizer(server):
     return server.engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def llm_parts(smollm_source):
+    """The embedded model, tokenizer and HF config, loaded once, for tests that build their own engines."""
+    import torch
+
+    from pagedserve.models.registry import build_model
+
+    cfg = smollm_source.load_config()
+    model = build_model(smollm_source, cfg, torch.float32, "cpu")
+    return model, smollm_source.load_tokenizer(), cfg
+
+
+@pytest.fixture(scope="session")
+def make_engine(llm_parts):
+    """``make_engine(**EngineConfig fields) -> LLMEngine`` sharing one loaded model (CPU, fp32, torch attention)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
+
+    model, tokenizer, cfg = llm_parts
+
+    def make(**kwargs):
+        kwargs = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", **kwargs}
+        engine, _ = build_engine(EngineConfig(**kwargs), model=model, tokenizer=tokenizer, hf_config=cfg)
+        return engine
+
+    return make
+
+
+def run_to_completion(engine, on_step=None) -> dict:
+    """Step ``engine`` until idle; returns {request_id: {index: (token_ids, finish_reason, text)}}."""
+    out: dict = {}
+    while engine.has_unfinished():
+        deltas = engine.step()
+        if on_step is not None:
+            on_step(engine, deltas)
+        for d in deltas:
+            ids, reason, text = out.setdefault(d.request_id, {}).get(d.index, ([], None, ""))
+            out[d.request_id][d.index] = (ids + d.token_ids, d.finish_reason or reason, text + d.text)
+    return out

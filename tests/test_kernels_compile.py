@@ -1,17 +1,13 @@
-"""CUDA kernels without a GPU: NVRTC compiles for sm_80 / sm_90 with no register spills, launch geometry, and the
-argument checks that must reject bad inputs before any CUDA call."""
+"""CUDA kernels without a GPU: NVRTC compiles for sm_80 / sm_90 with no register spills, and launch geometry.
+(Argument checks and launch signatures: tests/test_kernel_checks.py.)"""
 from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
-from pagedserve import kernel_build, kernel_geometry as geo, kernels
-from pagedserve.attention import TorchAttentionBackend, select_attention_backend
-from pagedserve.attention.base import AttentionMetadata
-from pagedserve.attention.cuda import CudaAttentionBackend
+from pagedserve import kernel_build, kernel_geometry as geo
 from pagedserve.kernel_build import ModuleKey, compile_to_cubin
 
 needs_nvrtc = pytest.mark.skipif(not kernel_build.nvrtc_available(),
@@ -90,15 +86,27 @@ def test_gqa_tile(heads, kv_heads, tile):
 
 
 def test_decode_plan_short_contexts_do_not_split():
-    plan = geo.plan_decode([512] * 64, 32, 8, 128, 16, num_sms=132)
+    plan = geo.plan_decode("float16", [512] * 64, 32, 8, 128, 16, num_sms=132)
     assert plan.num_partitions == 1 and plan.grid == (1, 8, 64) and plan.partition_size >= 512
     assert plan.block == (128, 1, 1) and plan.gqa_tile == 4
+    assert plan.smem_bytes == 4 * 4 * 2 * 4 * 32 * 16  # 4 warps x 4 stages x (K, V) x 8 tokens of 256 bytes
+    with pytest.raises(ValueError, match="partition_size"):
+        geo.plan_decode("float16", [512], 32, 8, 128, 16, num_sms=132, partition_size=40)
+
+
+def test_decode_smem_mirrors_kernel_layout():
+    # fp32 head_dim 256: 2 vectors per lane, 2 steps per chunk -> the same 64 KiB ring; the merge needs less.
+    assert geo.decode_smem_bytes("float32", 256, 32, 8) == 4 * 4 * 2 * 2 * 2 * 32 * 16
+    # GQA tile 8 halves the steps (16 scores per lane) -> 32 KiB ring; merge 4 * 8 * 128 floats + stats.
+    assert geo.decode_smem_bytes("float16", 128, 16, 8) == 32768
+    # head_dim 64 fp16: 8 lanes per row, 4 rows per step, 4 steps.
+    assert geo.decode_smem_bytes("bfloat16", 64, 16, 1) == 4 * 4 * 2 * 4 * 32 * 16
 
 
 @pytest.mark.parametrize("ctx", [[8192] * 64, [16384], [1, 16000, 7, 300, 4096], [2048] * 64])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_plan_split(ctx, block_size):
-    plan = geo.plan_decode(ctx, 32, 8, 128, block_size, num_sms=132)
+    plan = geo.plan_decode("bfloat16", ctx, 32, 8, 128, block_size, num_sms=132)
     size = plan.partition_size
     assert size % block_size == 0 and size >= geo.DECODE_MIN_PARTITION
     assert plan.num_partitions == -(-max(ctx) // size) > 1
@@ -109,7 +117,7 @@ def test_decode_plan_split(ctx, block_size):
 
 
 def test_decode_plan_groups_larger_than_tile():
-    plan = geo.plan_decode([100, 200], 32, 2, 64, 16, num_sms=132)  # group 16 -> 2 tiles of 8
+    plan = geo.plan_decode("float32", [100, 200], 32, 2, 64, 16, num_sms=132)  # group 16 -> 2 tiles of 8
     assert plan.gqa_tile == 8 and plan.grid[1] == 4
 
 
@@ -130,131 +138,13 @@ def test_row_geometry_and_vectors():
     assert "__nv_bfloat16, 128, 32, 4, 4>" in geo.decode_kernel_name("bfloat16", 128, 32, 4)
 
 
-# ---- argument checks run before any CUDA call ------------------------------------------------------------------
-@pytest.fixture
-def no_cuda(monkeypatch):
-    def reached(*args, **kwargs):
-        raise AssertionError("a CUDA call was reached before the arguments were rejected")
-    for name in ("launch", "num_sms", "device_arch", "get_kernel"):
-        monkeypatch.setattr(kernels, name, reached)
-        monkeypatch.setattr(kernel_build, name, reached)
-
-
-def cache(dtype=torch.float16, blocks=4, bs=16, kv_heads=2, hd=64):
-    return torch.zeros(blocks, bs, kv_heads, hd, dtype=dtype), torch.zeros(blocks, bs, kv_heads, hd, dtype=dtype)
-
-
-def decode_args(**over):
-    k, v = cache()
-    args = dict(out=torch.zeros(3, 4, 64, dtype=torch.float16), query=torch.zeros(3, 4, 64, dtype=torch.float16),
-                k_cache=k, v_cache=v, block_tables=torch.zeros(3, 4, dtype=torch.int32),
-                context_lens=torch.ones(3, dtype=torch.int32), scale=0.125, context_lens_cpu=[1, 1, 1])
-    args.update(over)
-    return args
-
-
-@pytest.mark.parametrize("over,arg", [
-    (dict(query=torch.zeros(3, 4, 64, dtype=torch.float64)), "query"),
-    (dict(query=torch.zeros(3, 3, 64, dtype=torch.float16)), "query"),          # 3 heads over 2 kv heads
-    (dict(query=torch.zeros(3, 4, 128, dtype=torch.float16)[..., :64]), "query"),  # head_dim not dense
-    (dict(query=torch.zeros(3, 4 * 64 + 4, dtype=torch.float16)[:, :256].view(3, 4, 64)), "query"),  # row stride
-    (dict(k_cache=cache(torch.bfloat16)[0]), "k_cache"),
-    (dict(k_cache=cache(bs=8)[0], v_cache=cache(bs=8)[1]), "k_cache"),
-    (dict(k_cache=cache(hd=96)[0], v_cache=cache(hd=96)[1]), "k_cache"),
-    (dict(v_cache=cache()[1].transpose(0, 1)), "v_cache"),
-    (dict(out=torch.zeros(3, 4, 64, dtype=torch.float32)), "out"),
-    (dict(block_tables=torch.zeros(3, 4, dtype=torch.int64)), "block_tables"),
-    (dict(block_tables=torch.zeros(2, 4, dtype=torch.int32)), "block_tables"),
-    (dict(context_lens=torch.ones(3, 1, dtype=torch.int32)), "context_lens"),
-    (dict(context_lens_cpu=[1]), "context_lens_cpu"),
-    (dict(scale=0.0), "scale"),
-    (dict(), "out"),  # all valid but on the CPU: the device check names the first tensor
-])
-def test_decode_rejects_before_cuda(no_cuda, over, arg):
-    with pytest.raises(ValueError, match=rf"^{arg}\b"):
-        kernels.paged_decode_attention(**decode_args(**over))
-
-
-def test_prefill_rejects_before_cuda(no_cuda):
-    a = decode_args()
-    a.pop("context_lens_cpu")
-    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)  # 2 sequences, but 3 asked for below
-    with pytest.raises(ValueError, match="^query_start_loc"):
-        kernels.paged_prefill_attention(**a, query_start_loc=qsl, seq_offset=1, num_prefill_seqs=2, max_query_len=1)
-    with pytest.raises(ValueError, match="^query_start_loc"):
-        kernels.paged_prefill_attention(**a, query_start_loc=qsl.long(), seq_offset=0, num_prefill_seqs=2,
-                                        max_query_len=1)
-    with pytest.raises(ValueError, match="^out"):
-        kernels.paged_prefill_attention(**a, query_start_loc=qsl, seq_offset=0, num_prefill_seqs=2, max_query_len=1)
-
-
-def test_cache_ops_reject_before_cuda(no_cuda):
-    k, v = cache()
-    key = torch.zeros(5, 2, 64, dtype=torch.float16)
-    slots = torch.arange(5)
-    with pytest.raises(ValueError, match="^key"):
-        kernels.reshape_and_cache(key.float(), key, k, v, slots)
-    with pytest.raises(ValueError, match="^value"):
-        kernels.reshape_and_cache(key, key[:4], k, v, slots)
-    with pytest.raises(ValueError, match="^slot_mapping"):
-        kernels.reshape_and_cache(key, key, k, v, slots.int())
-    with pytest.raises(ValueError, match="^k_cache"):
-        kernels.reshape_and_cache(key, key, k[:, :, :1], v, slots)
-    with pytest.raises(ValueError, match="^key"):
-        kernels.reshape_and_cache(key, key, k, v, slots)  # valid, but on the CPU
-    with pytest.raises(ValueError, match=r"^v_caches\[0\]"):
-        kernels.copy_blocks([k], [v[:2]], torch.zeros(1, 2, dtype=torch.int64))
-    with pytest.raises(ValueError, match="^block_mapping"):
-        kernels.copy_blocks([k], [v], torch.zeros(1, 2, dtype=torch.int32))
-
-
-def test_elementwise_reject_before_cuda(no_cuda):
-    x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    w = torch.ones(64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="^weight"):
-        kernels.rms_norm(x, w[:32], 1e-6)
-    with pytest.raises(ValueError, match="^residual"):
-        kernels.rms_norm(x, w, 1e-6, x.half())
-    with pytest.raises(ValueError, match="^x"):
-        kernels.rms_norm(x.t(), w[:4], 1e-6)
-    with pytest.raises(ValueError, match="^x"):
-        kernels.rms_norm(x, w, 1e-6)  # valid, but on the CPU
-    q = torch.zeros(4, 2, 64, dtype=torch.float16)
-    table = torch.zeros(16, 64)
-    with pytest.raises(ValueError, match="^positions"):
-        kernels.rotary_embedding(torch.arange(4, dtype=torch.int32), q, table)
-    with pytest.raises(ValueError, match="^cos_sin_cache"):
-        kernels.rotary_embedding(torch.arange(4), q, table.half())
-    with pytest.raises(ValueError, match="^x"):
-        kernels.rotary_embedding(torch.arange(4), torch.zeros(4, 2, 7, dtype=torch.float16), torch.zeros(16, 7))
-    with pytest.raises(ValueError, match="^x"):
-        kernels.silu_and_mul(torch.zeros(4, 7, dtype=torch.float16))
-    with pytest.raises(ValueError, match="^x"):
-        kernels.silu_and_mul(torch.zeros(4, 8, dtype=torch.int32))
-
-
-def test_cuda_backend_rejects_bad_shapes(no_cuda):
-    k, v = cache()
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(2), block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        context_lens=torch.tensor([2], dtype=torch.int32), query_start_loc=torch.tensor([0, 2], dtype=torch.int32),
-        query_lens=torch.tensor([2], dtype=torch.int32), max_query_len=2, max_context_len=2, num_decode_seqs=0,
-        query_lens_cpu=[2], context_lens_cpu=[2])
-    q = torch.zeros(2, 4, 64, dtype=torch.float16)
-    with pytest.raises(ValueError):
-        CudaAttentionBackend().forward(q, q[:, :2], q[:, :2].float(), k, v, meta, 0.125)
-    with pytest.raises(ValueError, match="^key"):  # shapes fine, CPU tensors: rejected by reshape_and_cache
-        CudaAttentionBackend().forward(q, q[:, :2], q[:, :2], k, v, meta, 0.125)
-
-
-def test_select_attention_backend_on_cpu():
-    assert isinstance(select_attention_backend("torch", "cpu"), TorchAttentionBackend)
-    assert isinstance(select_attention_backend("auto", "cpu"), TorchAttentionBackend)
-    with pytest.raises(RuntimeError, match="cuda"):
-        select_attention_backend("cuda", "cpu")
-    with pytest.raises(ValueError, match="attention_backend"):
-        select_attention_backend("flash", "cpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="is_available"):
-            select_attention_backend("cuda", "cuda")
-        assert isinstance(select_attention_backend("auto", "cuda"), TorchAttentionBackend)
+def test_source_dir_override(tmp_path):
+    (tmp_path / "decode_attention.cu").write_text('#include "common.cuh"\n// copy\n')
+    (tmp_path / "common.cuh").write_text("#pragma once\nint marker_from_override;\n")
+    kernel_build.set_source_dir(tmp_path)
+    try:
+        assert "marker_from_override" in kernel_build.load_source("decode_attention.cu")
+        assert kernel_build.default_source_dir() == tmp_path
+    finally:
+        kernel_build.set_source_dir(None)
+    assert "paged_decode_kernel" in kernel_build.load_source("decode_attention.cu")

@@ -3,6 +3,7 @@
     pagedserve-client [--target HOST:PORT] [--timeout S] generate "prompt" [sampling flags] [--chat] [--json]
     pagedserve-client embed TEXT... [--no-normalize] [--truncate] [--dimensions K]
     pagedserve-client tokenize TEXT | detokenize ID... | info | health [--service S] | abort ID...
+    pagedserve-client bench [--num-requests N] [--concurrency C] [--prompt P]... [--max-tokens M] [--out-dir D]
 
 Exit status: 0 ok; 1 on a gRPC error ("error: <CODE>: <details>" on stderr) or, for health, a status other
 than SERVING; 2 on bad command line arguments.
@@ -111,7 +112,41 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help='"" (the process) or pagedserve.v1.InferenceService')
     abort = sub.add_parser("abort", help="abort requests by id")
     abort.add_argument("ids", nargs="+", metavar="ID")
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="latency benchmark: report (JSON) and TTFT/TPOT plot (PNG)")
+    bench.add_argument("--num-requests", type=int, default=32)
+    bench.add_argument("--concurrency", type=int, default=8, help="streams open at once")
+    bench.add_argument("--prompt", action="append", default=None,
+                       help="prompt text (repeatable; requests cycle through them)")
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                       help="every request generates exactly --max-tokens tokens")
+    bench.add_argument("--out-dir", default="bench-out", help="where bench_report.json and bench_latency.png go")
+    bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _run_bench(client: PagedServeClient, args: argparse.Namespace) -> int:
+    import pathlib
+
+    from . import bench
+
+    if args.num_requests < 1 or args.concurrency < 1:
+        raise ValueError("--num-requests and --concurrency must be >= 1")
+    prompts = args.prompt or [bench.DEFAULT_PROMPT]
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+    timings, wall_s = bench.run_bench(client, prompts, args.num_requests, args.concurrency, sampling, args.progress)
+    summary = bench.summarize(timings, wall_s)
+    config = {"target": client.target, "num_requests": args.num_requests, "concurrency": args.concurrency,
+              "prompts": prompts, **sampling}
+    report, png = bench.write_outputs(timings, summary, config, pathlib.Path(args.out_dir))
+    print(bench.format_summary(summary))
+    print(f"report: {report}\nplot: {png}")
+    return 0 if summary["errors"] == 0 else 1
 
 
 def _chat_or_none(args: argparse.Namespace, text: str) -> list[tuple[str, str]] | None:
@@ -217,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with PagedServeClient(args.target, timeout_s=args.timeout) as client:
             if args.command == "generate":
                 return _run_generate(client, args)
+            if args.command == "bench":
+                return _run_bench(client, args)
             return _run_other(client, args)
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)

@@ -1,6 +1,8 @@
 """Configuration: frozen, slotted dataclasses checked in ``__post_init__``. The CLI builds them from flags."""
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -72,19 +74,79 @@ class ServerConfig:
     Attributes:
         host, port: where to listen (port 0 picks a free port).
         embedding_model: HF/sentence-transformers directory; None for the embedded all-MiniLM-L6-v2; "" for none.
+        max_embed_batch_tokens: padded tokens (rows * longest input) per embedding micro-batch, across calls.
         generation: False serves no generation model (Embed only).
-        shutdown_grace_s: seconds in-flight calls get to finish after SIGTERM.
-        max_message_bytes: largest gRPC message accepted or sent.
+        shutdown_grace_s: seconds in-flight calls get to finish after SIGTERM before open streams end with ABORT.
+        max_send_message_bytes, max_receive_message_bytes: largest gRPC message sent / accepted
+            (``grpc.max_send_message_length`` / ``grpc.max_receive_message_length``).
+        keepalive_time_ms: the server pings an idle connection after this long (``grpc.keepalive_time_ms``).
+        keepalive_timeout_ms: and closes it when the ping is not answered within this (``grpc.keepalive_timeout_ms``).
+        keepalive_permit_without_calls: accept client keepalive pings on connections with no open call
+            (``grpc.keepalive_permit_without_calls``).
+        http2_min_ping_interval_without_data_ms: shortest interval between client pings the server accepts while
+            it sends no data; a faster ping is a strike (``grpc.http2.min_ping_interval_without_data_ms``).
+        http2_max_ping_strikes: strikes before the server closes the connection with GOAWAY "too_many_pings";
+            0 means no limit (``grpc.http2.max_ping_strikes``).
+        http2_max_pings_without_data: pings the server sends with no data in between; 0 means no limit
+            (``grpc.http2.max_pings_without_data``).
+        metrics_host, metrics_port: Prometheus text exposition over HTTP at ``/metrics``; port None: off,
+            0: a free port.
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
     embedding_model: str | None = None
+    max_embed_batch_tokens: int = 8192
     generation: bool = True
     shutdown_grace_s: float = 10.0
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_send_message_bytes: int = 16 * 1024 * 1024
+    max_receive_message_bytes: int = 16 * 1024 * 1024
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+    keepalive_permit_without_calls: bool = True
+    http2_min_ping_interval_without_data_ms: int = 1_000
+    http2_max_ping_strikes: int = 2
+    http2_max_pings_without_data: int = 0
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
+        _check(self.max_embed_batch_tokens >= 1, "max_embed_batch_tokens", "must be >= 1")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
-        _check(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024")
+        _check(self.max_send_message_bytes >= 1024, "max_send_message_bytes", "must be >= 1024")
+        _check(self.max_receive_message_bytes >= 1024, "max_receive_message_bytes", "must be >= 1024")
+        _check(self.keepalive_time_ms >= 1, "keepalive_time_ms", "must be >= 1")
+        _check(self.keepalive_timeout_ms >= 1, "keepalive_timeout_ms", "must be >= 1")
+        for name in ("http2_min_ping_interval_without_data_ms", "http2_max_ping_strikes",
+                     "http2_max_pings_without_data"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
+        _check(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
+               "must be in [0, 65535]")
+        _check(self.metrics_port is None or self.metrics_port == 0 or self.metrics_port != self.port,
+               "metrics_port", "must differ from port")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The grpc.aio server channel arguments these settings map to (gRPC core's own option names)."""
+        return [
+            ("grpc.max_send_message_length", self.max_send_message_bytes),
+            ("grpc.max_receive_message_length", self.max_receive_message_bytes),
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.http2_min_ping_interval_without_data_ms),
+            ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes),
+            ("grpc.http2.max_pings_without_data", self.http2_max_pings_without_data),
+        ]
+
+
+ENV_PREFIX = "PAGEDSERVE_"
+
+
+def environment_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``PAGEDSERVE_*`` environment variables, keyed by the lower-cased rest of the name
+    (``PAGEDSERVE_MAX_NUM_SEQS=8`` -> ``{"max_num_seqs": "8"}``). The only place the server reads the environment;
+    :mod:`pagedserve.cli` turns the values into flag defaults.
+    """
+    environ = os.environ if environ is None else environ
+    return {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k != ENV_PREFIX}

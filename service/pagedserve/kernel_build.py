@@ -10,20 +10,17 @@ returns the ptxas report, so CPU-only tests can check that every kernel builds a
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from . import kernel_geometry as geo
 
 FAMILY_SOURCES = {"cache": "cache_ops.cu", "decode": "decode_attention.cu",
                   "prefill": "prefill_attention.cu", "elementwise": "elementwise.cu"}
+FP32_SOURCES = {"prefill": "prefill_attention_fp32.cu"}  # fp32 variants kept in their own file
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -40,6 +37,13 @@ class ModuleKey:
     head_dim: int | None = None
     block_size: int | None = None
     arch: str = "sm_90"          # "sm_80", "sm_90", ...
+
+    @property
+    def source_file(self) -> str:
+        """The ``.cu`` file (in the CUDA source folder) this module compiles."""
+        if self.dtype == "float32" and self.family in FP32_SOURCES:
+            return FP32_SOURCES[self.family]
+        return FAMILY_SOURCES[self.family]
 
     def name_expressions(self) -> tuple[str, ...]:
         """The template instantiations this module holds."""
@@ -61,8 +65,27 @@ class ModuleKey:
         raise ValueError(f"family: unknown kernel family {self.family!r}")
 
 
+_modules: dict[ModuleKey, object] = {}
+_functions: dict[tuple[ModuleKey, str], object] = {}
+_lock = threading.Lock()
+_source_dir_override: Path | None = None
+
+
+def set_source_dir(path: Path | str | None) -> None:
+    """Read the CUDA sources from ``path`` from now on (None: back to :func:`default_source_dir`); drops the
+    compiled modules. For an installed package whose ``cuda/`` folder is not beside the source tree."""
+    global _source_dir_override
+    with _lock:
+        _source_dir_override = Path(path) if path is not None else None
+        _modules.clear()
+        _functions.clear()
+
+
 def default_source_dir() -> Path:
-    """``cuda/`` at the repository root (this file is service/pagedserve/kernel_build.py)."""
+    """``cuda/`` at the repository root (this file is service/pagedserve/kernel_build.py), unless
+    :func:`set_source_dir` chose another folder."""
+    if _source_dir_override is not None:
+        return _source_dir_override
     return Path(__file__).resolve().parents[2] / "cuda"
 
 
@@ -134,11 +157,6 @@ def nvrtc_options(include_dirs: list[str] | None = None) -> tuple[str, ...]:
     return ("-std=c++17", "-DNDEBUG", *(f"-I{d}" for d in dirs))
 
 
-_modules: dict[ModuleKey, object] = {}
-_functions: dict[tuple[ModuleKey, str], object] = {}
-_lock = threading.Lock()
-
-
 def get_kernel(key: ModuleKey, name: str, source_dir: Path | str | None = None):
     """The ``cupy.RawKernel`` for template ``name`` of module ``key``, compiling on first use (cached).
 
@@ -151,7 +169,7 @@ def get_kernel(key: ModuleKey, name: str, source_dir: Path | str | None = None):
     with _lock:
         module = _modules.get(key)
         if module is None:
-            source = load_source(FAMILY_SOURCES[key.family], source_dir)
+            source = load_source(key.source_file, source_dir)
             module = cupy.RawModule(code=source, options=nvrtc_options(),
                                     name_expressions=list(key.name_expressions()))
             _modules[key] = module
@@ -162,73 +180,6 @@ def get_kernel(key: ModuleKey, name: str, source_dir: Path | str | None = None):
             raise KernelCompileError(f"{key}: {exc}") from exc
         _functions[(key, name)] = function
         return function
-
-
-# ---- launching ----------------------------------------------------------------------------------------------
-_DEFAULT_SMEM_LIMIT = 48 * 1024
-
-
-class _StreamHandle:
-    """Minimal CUDA-stream-protocol object around a raw ``cudaStream_t``."""
-
-    def __init__(self, ptr: int):
-        self._ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self._ptr)
-
-
-_streams: dict[tuple[int, int], object] = {}
-_big_smem: set[tuple[int, str, int]] = set()
-
-
-def _cupy_stream(device: torch.device):
-    """CuPy view of torch's current stream on ``device`` (cached per raw stream handle)."""
-    import cupy
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    stream = _streams.get((device.index, ptr))
-    if stream is None:
-        if hasattr(cupy.cuda.Stream, "from_external"):
-            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        else:  # CuPy < 14
-            stream = cupy.cuda.ExternalStream(ptr, device.index)
-        _streams[(device.index, ptr)] = stream
-    return stream
-
-
-@functools.cache
-def device_arch(index: int) -> str:
-    """``sm_XY`` of CUDA device ``index``."""
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm_{major}{minor}"
-
-
-@functools.cache
-def num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def launch(key: ModuleKey, name: str, device, grid, block, args, smem_bytes: int = 0) -> None:
-    """Launch template ``name`` of module ``key`` on torch's current stream of ``device`` (a CUDA
-    ``torch.device``), raising the dynamic shared-memory limit first when ``smem_bytes`` needs it."""
-    import cupy
-    with cupy.cuda.Device(device.index):
-        kernel = get_kernel(key, name)
-        if smem_bytes > _DEFAULT_SMEM_LIMIT and (device.index, name, smem_bytes) not in _big_smem:
-            kernel.max_dynamic_shared_size_bytes = smem_bytes
-            _big_smem.add((device.index, name, smem_bytes))
-        with _cupy_stream(device):
-            kernel(tuple(grid), tuple(block), tuple(args), shared_mem=smem_bytes)
-
-
-def tensor_ptr(t) -> np.uint64:
-    """A torch tensor's device address as a kernel pointer argument."""
-    return np.uint64(t.data_ptr())
-
-
-def module_key(device, family: str, dtype=None, head_dim=None, block_size=None) -> ModuleKey:
-    """:class:`ModuleKey` for ``device``'s architecture."""
-    return ModuleKey(family, dtype, head_dim, block_size, device_arch(device.index))
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +223,7 @@ def compile_to_cubin(key: ModuleKey, source_dir: Path | str | None = None,
         KernelCompileError: with the NVRTC log, when compilation fails.
     """
     from cupy_backends.cuda.libs import nvrtc
-    filename = FAMILY_SOURCES[key.family]
+    filename = key.source_file
     names = key.name_expressions()
     prog = nvrtc.createProgram(load_source(filename, source_dir), filename, [], [])
     try:

@@ -20,6 +20,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32)
 COPY_UNITS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}  # bytes -> CUDA type for the byte movers
 
 DECODE_NUM_WARPS = 4
+DECODE_STAGES = 4               # cp.async ring depth per warp
 DECODE_GQA_TILES = (1, 2, 4, 8)
 DECODE_MIN_PARTITION = 128      # tokens; split-K partitions never get smaller than this
 DECODE_BASE_PARTITION = 512     # tokens; the starting partition size once a context needs splitting
@@ -117,6 +118,18 @@ def decode_partition_size(context_lens: list[int], kv_programs: int, num_sms: in
     return single if size >= max_ctx else size
 
 
+def decode_smem_bytes(dtype: str, head_dim: int, block_size: int, gqa_tile: int) -> int:
+    """Dynamic shared memory of paged_decode_kernel: mirrors DecodeLayout::kSmemBytes in cuda/decode_attention.cu
+    (each warp's cp.async ring of K/V chunks, reused for the cross-warp merge). The kernel traps if given less."""
+    row_vecs = head_dim // vec_elems(dtype)
+    lanes_per_row = min(32, row_vecs)
+    vecs_per_lane = row_vecs // lanes_per_row
+    steps = min(4 // vecs_per_lane, 16 // gqa_tile, block_size // (32 // lanes_per_row))
+    ring = DECODE_NUM_WARPS * DECODE_STAGES * 2 * steps * vecs_per_lane * 32 * 16
+    merge = 4 * (DECODE_NUM_WARPS * gqa_tile * head_dim + 2 * DECODE_NUM_WARPS * gqa_tile)
+    return max(ring, merge)
+
+
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
     """Launch geometry of one decode batch (shared by every layer of a step)."""
@@ -126,21 +139,26 @@ class DecodePlan:
     num_partitions: int           # grid.x; 1 means no merge kernel
     grid: tuple[int, int, int]    # (partitions, num_kv_heads * head tiles, num_seqs)
     block: tuple[int, int, int]
+    smem_bytes: int               # dynamic shared memory of the decode kernel
     merge_grid: tuple[int, int, int]
     merge_block: tuple[int, int, int]
     merge_smem_bytes: int
 
 
-def plan_decode(context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                num_sms: int) -> DecodePlan:
-    """Geometry of paged_decode_kernel (+ merge) for ``len(context_lens)`` sequences."""
+def plan_decode(dtype: str, context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int, num_sms: int, partition_size: int | None = None) -> DecodePlan:
+    """Geometry of paged_decode_kernel (+ merge) for ``len(context_lens)`` sequences. ``partition_size`` (a
+    multiple of ``block_size``) overrides :func:`decode_partition_size`."""
     tile = decode_gqa_tile(num_heads, num_kv_heads)
     kv_programs = num_kv_heads * cdiv(num_heads // num_kv_heads, tile)
-    size = decode_partition_size(context_lens, kv_programs, num_sms, block_size)
+    size = partition_size or decode_partition_size(context_lens, kv_programs, num_sms, block_size)
+    if size % block_size:
+        raise ValueError(f"partition_size: {size} is not a multiple of block_size {block_size}")
     parts = max(1, cdiv(max(context_lens, default=0), size))
     num_seqs = len(context_lens)
     return DecodePlan(gqa_tile=tile, partition_size=size, num_partitions=parts,
                       grid=(parts, kv_programs, num_seqs), block=(DECODE_NUM_WARPS * 32, 1, 1),
+                      smem_bytes=decode_smem_bytes(dtype, head_dim, block_size, tile),
                       merge_grid=(num_heads, num_seqs, 1), merge_block=(min(head_dim, 256), 1, 1),
                       merge_smem_bytes=4 * parts)
 
@@ -228,7 +246,9 @@ def check_aligned(name: str, t: torch.Tensor, row_stride_dim: int | None = 0, al
     """Vectorised kernels need the data pointer (and the row stride, in bytes) to be ``align``-byte aligned."""
     if t.data_ptr() % align:
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
-    if row_stride_dim is not None and t.dim() > row_stride_dim and (t.stride(row_stride_dim) * t.element_size()) % align:
+    if row_stride_dim is None or t.dim() <= row_stride_dim:
+        return
+    if (t.stride(row_stride_dim) * t.element_size()) % align:
         raise ValueError(f"{name}: row stride must be a multiple of {align} bytes, got {t.stride()}")
 
 

@@ -3,7 +3,8 @@ tensors (by data pointer, no copies) on torch's current CUDA stream.
 
 Every launcher checks dtype, shape, strides, alignment and device first and raises :class:`ValueError` naming the
 argument before any CUDA call. Geometry comes from :mod:`pagedserve.kernel_geometry` (pure Python); compilation
-and the per-configuration module cache from :mod:`pagedserve.kernel_build`. The torch references these kernels
+and the per-configuration module cache from :mod:`pagedserve.kernel_build`; streams and launching from
+:mod:`pagedserve.kernel_launch`. The torch references these kernels
 must match are :mod:`pagedserve.attention.torch_ref` and :mod:`pagedserve.ops`.
 """
 from __future__ import annotations
@@ -13,10 +14,12 @@ import torch
 
 from . import kernel_geometry as geo
 from .kernel_build import (  # noqa: F401 - re-exported: the public compile API lives here too
-    CubinResult, KernelCompileError, ModuleKey, compile_to_cubin, cuda_include_dirs, device_arch, get_kernel,
-    launch, load_source, num_sms, nvrtc_available, parse_ptxas_log)
-from .kernel_build import module_key as _key, tensor_ptr as _ptr
+    CubinResult, KernelCompileError, ModuleKey, compile_to_cubin, cuda_include_dirs, get_kernel, load_source,
+    nvrtc_available, parse_ptxas_log, set_source_dir)
+from .kernel_launch import device_arch, launch, num_sms  # noqa: F401 - device_arch re-exported
+from .kernel_launch import module_key as _key, tensor_ptr as _ptr
 from .kernel_geometry import DecodePlan, check_aligned, check_cuda, check_tensor, plan_decode
+
 
 # ---- paged KV cache ---------------------------------------------------------------------------------------------
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -25,6 +28,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` at ``slot_mapping`` (``[T]`` int64; ``< 0`` skipped).
     Same semantics as :func:`pagedserve.attention.torch_ref.reshape_and_cache`. Slots must be < num_blocks *
     block_size (not checked: that would need a device sync)."""
+    check_tensor("key", key, ndim=3)
     geo.dtype_name(key.dtype, "key")
     if isinstance(k_cache, torch.Tensor) and key.dtype != k_cache.dtype:
         raise ValueError(f"key: dtype {key.dtype} does not match k_cache dtype {k_cache.dtype}")
@@ -51,6 +55,7 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], bloc
     ``dst`` in every layer's K and V cache (copy-on-write). All caches share one shape and dtype."""
     if not k_caches or len(k_caches) != len(v_caches):
         raise ValueError("k_caches: need one or more layers and as many v_caches")
+    check_tensor("k_caches[0]", k_caches[0])
     first = k_caches[0]
     geo.dtype_name(first.dtype, "k_caches")
     for i, (k, v) in enumerate(zip(k_caches, v_caches)):
@@ -128,9 +133,12 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
         raise ValueError(f"query: at most 65535 decode sequences per launch, got {num_seqs}")
     num_heads = query.shape[1]
     if plan is None:
-        plan = plan_decode(context_lens_cpu, num_heads, num_kv_heads, head_dim, block_size, num_sms(device.index))
-    if plan.grid[2] != num_seqs:
-        raise ValueError(f"plan: made for {plan.grid[2]} sequences, query has {num_seqs}")
+        plan = plan_decode(dtype, context_lens_cpu, num_heads, num_kv_heads, head_dim, block_size,
+                           num_sms(device.index))
+    expected_smem = geo.decode_smem_bytes(dtype, head_dim, block_size, plan.gqa_tile)
+    if plan.grid[2] != num_seqs or plan.smem_bytes != expected_smem:
+        raise ValueError(f"plan: made for {plan.grid[2]} sequences / {plan.smem_bytes} B of shared memory, the "
+                         f"call needs {num_seqs} / {expected_smem}")
     parts = plan.num_partitions
     if parts > 1:
         part_out = torch.empty((num_seqs, num_heads, parts, head_dim), dtype=torch.float32, device=device)
@@ -143,12 +151,12 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
             _ptr(context_lens), np.int64(out.stride(0)), np.int64(query.stride(0)), np.int32(block_tables.stride(0)),
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(plan.partition_size), np.float32(scale_log2))
     launch(key, geo.decode_kernel_name(dtype, head_dim, block_size, plan.gqa_tile), device, plan.grid, plan.block,
-            args)
+           args, plan.smem_bytes)
     if parts > 1:
         merge_args = (_ptr(out), *part_ptrs, _ptr(context_lens), np.int64(out.stride(0)), np.int32(parts),
                       np.int32(plan.partition_size))
         launch(key, geo.decode_merge_kernel_name(dtype, head_dim), device, plan.merge_grid, plan.merge_block,
-                merge_args, plan.merge_smem_bytes)
+               merge_args, plan.merge_smem_bytes)
 
 
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -66,11 +66,11 @@ def test_decode_split_and_single_partition_agree(dtype):
     meta = make_meta(ctx, [1] * len(ctx), bs, num_blocks, DEV, seed=7)
     query = torch.randn(len(ctx), heads, head_dim, device=DEV).to(dtype)
     ref = decode_ref(query, k_cache, v_cache, meta, 0.1)
-    auto = geo.plan_decode(ctx, heads, kv_heads, head_dim, bs, num_sms=132)
+    name = geo.dtype_name(dtype)
+    auto = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, bs, num_sms=132)
+    assert auto.num_partitions > 1
     for size in (64, auto.partition_size, 3008):
-        parts = -(-max(ctx) // size)
-        plan = geo.DecodePlan(auto.gqa_tile, size, parts, (parts, auto.grid[1], len(ctx)), auto.block,
-                              auto.merge_grid, auto.merge_block, 4 * parts)
+        plan = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, bs, num_sms=132, partition_size=size)
         out = torch.empty_like(query)
         kernels.paged_decode_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.1,
                                        plan=plan)

@@ -25,13 +25,13 @@ class CudaAttentionBackend(AttentionBackend):
         self._plan_shape: tuple | None = None
         self._plan: geo.DecodePlan | None = None
 
-    def _decode_plan(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
-                     block_size: int, device: torch.device) -> geo.DecodePlan:
-        shape = (num_heads, num_kv_heads, head_dim, block_size, device.index)
+    def _decode_plan(self, meta: AttentionMetadata, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                     head_dim: int, block_size: int, device: torch.device) -> geo.DecodePlan:
+        shape = (dtype, num_heads, num_kv_heads, head_dim, block_size, device.index)
         if self._plan is None or meta is not self._plan_meta or shape != self._plan_shape:
             nd = meta.num_decode_seqs
-            self._plan = geo.plan_decode(meta.context_lens_cpu[:nd], num_heads, num_kv_heads, head_dim, block_size,
-                                         kernels.num_sms(device.index))
+            self._plan = geo.plan_decode(geo.dtype_name(dtype, "query"), meta.context_lens_cpu[:nd], num_heads,
+                                         num_kv_heads, head_dim, block_size, kernels.num_sms(device.index))
             self._plan_meta, self._plan_shape = meta, shape
         return self._plan
 
@@ -54,7 +54,8 @@ class CudaAttentionBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if nd > 0:
             _, block_size, num_kv_heads, head_dim = k_cache.shape
-            plan = self._decode_plan(meta, query.shape[1], num_kv_heads, head_dim, block_size, query.device)
+            plan = self._decode_plan(meta, query.dtype, query.shape[1], num_kv_heads, head_dim, block_size,
+                                     query.device)
             kernels.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.block_tables,
                                            meta.context_lens, scale, plan=plan)
         if nd < num_seqs:
@@ -66,8 +67,8 @@ class CudaAttentionBackend(AttentionBackend):
 
 
 def cuda_backend_error(device: torch.device | str) -> str | None:
-    """Why the CUDA backend cannot run on ``device``, or None when it can (torch sees the GPU, CuPy imports and
-    a trivial kernel module compiles and launches)."""
+    """Why the CUDA backend cannot run on ``device``, or None when it can (torch sees the GPU, it is sm_80 or
+    newer, CuPy imports, and a trivial kernel module compiles and launches)."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"device {device} is not a CUDA device"
@@ -77,8 +78,10 @@ def cuda_backend_error(device: torch.device | str) -> str | None:
         import cupy  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure disqualifies the backend
         return f"cupy does not import: {exc}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index) < (8, 0):
+        return "the kernels need compute capability >= 8.0 (cp.async, ldmatrix, bf16 mma)"
     try:
-        index = device.index if device.index is not None else torch.cuda.current_device()
         probe = torch.zeros(1, 8, dtype=torch.float16, device=f"cuda:{index}")
         kernels.silu_and_mul(probe)
         torch.cuda.synchronize(index)

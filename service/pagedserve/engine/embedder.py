@@ -228,11 +228,11 @@ class Embedder:
         Raises:
             InvalidInputError: see :meth:`tokenize`; field "dimensions" when not in ``[1, dimension]``.
         """
-        self._check_dimensions(dimensions)
+        self.check_dimensions(dimensions)
         with self._lock:
             token_ids = self.tokenize(texts, truncate)
             vectors = self._encode(token_ids)
-        return self._finish(vectors, token_ids, normalize, dimensions)
+        return EmbedResult(self.finish(vectors, normalize, dimensions), sum(len(seq) for seq in token_ids))
 
     def embed_token_ids(self, token_ids: list[list[int]], normalize: bool = True,
                         dimensions: int | None = None) -> EmbedResult:
@@ -242,7 +242,7 @@ class Embedder:
             InvalidInputError: "inputs" for an empty list; "inputs[i]" for an empty, too long or out-of-vocabulary
                 sequence; "dimensions" as in :meth:`embed`.
         """
-        self._check_dimensions(dimensions)
+        self.check_dimensions(dimensions)
         if not token_ids:
             raise InvalidInputError("at least one input is required", field="inputs")
         vocab_size = self._model.config.vocab_size
@@ -254,19 +254,33 @@ class Embedder:
                 raise InvalidInputError(f"token ids must be in [0, {vocab_size})", field=f"inputs[{i}]")
         with self._lock:
             vectors = self._encode(token_ids)
-        return self._finish(vectors, token_ids, normalize, dimensions)
+        return EmbedResult(self.finish(vectors, normalize, dimensions), sum(len(seq) for seq in token_ids))
 
-    def _check_dimensions(self, dimensions: int | None) -> None:
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """Raises InvalidInputError (field "dimensions") unless ``dimensions`` is None or in ``[1, dimension]``."""
         if dimensions is not None and not 0 < dimensions <= self.dimension:
             raise InvalidInputError(f"must be in [1, {self.dimension}], got {dimensions}", field="dimensions")
 
-    def _finish(self, vectors: torch.Tensor, token_ids: list[list[int]], normalize: bool,
-                dimensions: int | None) -> EmbedResult:
+    @staticmethod
+    def finish(vectors: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:
+        """The API's post-processing of pipeline vectors ``[N, dimension]``: keep the first ``dimensions``
+        columns (all when None), then L2-normalize rows when ``normalize``. Returns ``[N, D']`` contiguous."""
         if dimensions is not None:
             vectors = vectors[:, :dimensions]
         if normalize:
             vectors = F.normalize(vectors, p=2, dim=-1)
-        return EmbedResult(vectors.contiguous(), sum(len(seq) for seq in token_ids))
+        return vectors.contiguous()
+
+    def encode_micro_batch(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """Run one micro-batch as is (no regrouping): the model's pipeline vectors (pooled, then its Normalize
+        module if any), ``[len(token_ids), dimension]`` float32 on CPU, row i for sequence i.
+
+        ``token_ids`` come from :meth:`tokenize` (checked lengths); the caller picks the grouping (padding is
+        masked, so the grouping never changes a vector). Thread safe: calls are serialized.
+        """
+        with self._lock, torch.inference_mode():
+            out = self._forward_batch(token_ids)
+        return F.normalize(out, p=2, dim=-1) if self._normalize_module else out
 
     def _encode(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Pooled (and, with a Normalize module, normalized) vectors ``[N, dimension]`` float32 CPU, input order."""

@@ -84,7 +84,9 @@ class LLMEngine:
                                    config.long_prefill_token_threshold, config.max_waiting_requests)
         self.groups: dict[str, RequestGroup] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._forking: list[RequestGroup] = []   # n > 1 groups whose other completions wait for the prompt
         self.num_steps = 0
+        self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
 
     # ---- admission ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -126,10 +128,28 @@ class LLMEngine:
                           cache_salt=cache_salt or None, generator=gen, parent_id=request_id, index=i)
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params, ids)
             children.append(req)
-        self.groups[request_id] = RequestGroup(request_id, children)
-        for req in children:
-            self.scheduler.add_request(req)
+        group = RequestGroup(request_id, children)
+        self.groups[request_id] = group
+        self.scheduler.add_request(children[0])
+        if len(children) > 1:
+            # n > 1: the other completions join once the first has computed the prompt, then share its full blocks.
+            for child in children[1:]:
+                child.fork_parent = children[0]
+            self._forking.append(group)
         return children
+
+    def _release_forks(self) -> None:
+        """Queue the waiting completions of n > 1 groups whose first completion has computed its prompt."""
+        still = []
+        for group in self._forking:
+            first = group.children[0]
+            if first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished:
+                for child in group.children[1:]:
+                    if not child.is_finished:
+                        self.scheduler.add_request(child)
+            else:
+                still.append(group)
+        self._forking = still
 
     def abort(self, request_ids) -> tuple[list[str], list[CompletionDelta]]:
         """Abort live requests by client id; unknown ids are ignored. Returns (aborted ids, their final deltas)."""
@@ -146,7 +166,7 @@ class LLMEngine:
         return aborted, deltas
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._forking)
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
@@ -158,10 +178,14 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
+        self.last_step_composition = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
         result = self.runner.execute(sched)
         self.scheduler.update(sched)
         self.num_steps += 1
-        return self._process(result)
+        deltas = self._process(result)
+        if self._forking:
+            self._release_forks()
+        return deltas
 
     def _process(self, result: StepResult) -> list[CompletionDelta]:
         deltas = []

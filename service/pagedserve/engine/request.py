@@ -49,7 +49,9 @@ class Request:
     num_computed_tokens: int = 0            # tokens whose KV is in the cache
     num_cached_tokens: int = -1             # prompt tokens that came from the prefix cache (-1: not yet scheduled)
     blocks: list["KVBlock"] = field(default_factory=list)  # the block table, logical -> physical
-    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks computed so far
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks (kept across preemption)
+    num_registered_blocks: int = 0          # leading blocks of `blocks` already hashed into the prefix cache
+    fork_parent: "Request | None" = None    # n > 1: the completion whose prompt blocks this one shares
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     num_preemptions: int = 0

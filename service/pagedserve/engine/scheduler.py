@@ -110,7 +110,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting[0][3]
-            cached = self.kv_cache.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            cached = self.kv_cache.find_cached_prefix(req) if not req.blocks else []
             num_cached = len(cached) * self.kv_cache.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, self.long_prefill_token_threshold)
             if not self.kv_cache.allocate_slots(req, n, cached):
@@ -141,7 +141,8 @@ class Scheduler:
 
     # ---- removal -----------------------------------------------------------------------------------------------
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request from wherever it is and free its blocks. Safe to call twice."""
+        """Remove a request from wherever it is (running, waiting, or not queued yet) and free its blocks.
+        Safe to call twice."""
         if request.is_finished:
             return
         if request.status == RequestStatus.RUNNING:

@@ -1,4 +1,5 @@
-"""Server assembly: grpc.aio server with InferenceService, health and reflection on one port; model loading; shutdown.
+"""Server assembly: grpc.aio server with InferenceService, health and reflection on one port; model loading;
+Prometheus metrics; graceful shutdown.
 
 Health (grpc.health.v1): ``""`` is SERVING while the process runs and can take work; ``pagedserve.v1.InferenceService``
 is NOT_SERVING until the models are loaded and warmed up, and again once shutdown begins or the engine dies.
@@ -6,6 +7,8 @@ is NOT_SERVING until the models are loaded and warmed up, and again once shutdow
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import grpc
 import structlog
@@ -16,7 +19,9 @@ from pagedserve_client.v1 import inference_pb2 as pb
 from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 
 from ..config import EngineConfig, ServerConfig
-from .interceptors import ErrorMappingInterceptor
+from .interceptors import CallTrackingInterceptor, ErrorMappingInterceptor
+from .metrics import ServerMetrics
+from .request_metrics import MeteredEngine
 from .servicer import InferenceServicer
 from .state import ServerState
 
@@ -25,80 +30,155 @@ log = structlog.get_logger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# After the drain, the final ABORT messages of cut-off streams get this long to reach their clients.
+FLUSH_S = 2.0
 
 
 class App:
-    """One server process: call :meth:`start` (binds the port), then :meth:`load_models`, then
-    :meth:`wait_for_termination` or :meth:`stop`."""
+    """One server process: call :meth:`start` (binds the port), then :meth:`load_models`, then :meth:`stop`."""
 
     def __init__(self, server_config: ServerConfig, engine_config: EngineConfig | None):
         self.server_config = server_config
         self.engine_config = engine_config
         self.state = ServerState()
+        self.metrics = ServerMetrics()
         self.health = health.aio.HealthServicer()
-        limit = server_config.max_message_bytes
-        self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()],
-            options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)])
+        self.calls = CallTrackingInterceptor(self.metrics, self._refusal, SERVICE_NAME)
+        self.server = grpc.aio.server(interceptors=[self.calls, ErrorMappingInterceptor()],
+                                      options=server_config.grpc_options())
         pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.state), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
         self.port = 0
+        self.metrics_port: int | None = None
+        self._end_grace = asyncio.Event()
+
+    def _refusal(self, method: str) -> str | None:
+        if self.state.shutting_down and method.startswith(f"/{SERVICE_NAME}/"):
+            return "the server is shutting down"
+        return None
 
     async def start(self) -> int:
-        """Bind and start serving; returns the bound port. InferenceService stays NOT_SERVING until loaded."""
-        self.port = self.server.add_insecure_port(f"{self.server_config.host}:{self.server_config.port}")
+        """Bind and start serving (and the metrics endpoint when configured); returns the bound gRPC port.
+        InferenceService stays NOT_SERVING until loaded. Raises OSError when a port cannot be bound."""
+        cfg = self.server_config
+        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
-            raise OSError(f"could not bind {self.server_config.host}:{self.server_config.port}")
+            raise OSError(f"could not bind {cfg.host}:{cfg.port}")
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.start_http(cfg.metrics_host, cfg.metrics_port)
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
         await self.server.start()
-        log.info("server_listening", host=self.server_config.host, port=self.port)
+        log.info("server_listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port)
         return self.port
 
     async def load_models(self) -> None:
-        """Load the generation engine and the embedder (on worker threads), warm up, then report SERVING."""
+        """Load the generation engine and the embedder (on a daemon thread, with a progress bar on a terminal),
+        warm up, log the one-line summary, then report SERVING."""
+        from tqdm import tqdm
+
         from ..engine.async_engine import AsyncEngine
         from ..engine.builder import build_engine
 
-        if self.engine_config is not None:
-            engine, info = await asyncio.to_thread(build_engine, self.engine_config)
-            await asyncio.to_thread(_warm_up, engine)
-            self.state.engine = AsyncEngine(engine, on_dead=self._on_engine_dead)
-            self.state.engine.start()
-            self.state.engine_info = info
-        if self.server_config.embedding_model != "":
-            self.state.embedder = await asyncio.to_thread(_load_embedder, self.server_config.embedding_model)
+        started = time.monotonic()
+        stages = (["generation model", "warm-up"] if self.engine_config is not None else []) + \
+            (["embedding model"] if self.server_config.embedding_model != "" else [])
+        with tqdm(total=len(stages), desc="loading", unit="stage", disable=None, leave=False) as bar:
+            if self.engine_config is not None:
+                bar.set_postfix_str(stages[0])
+                engine, info = await _in_daemon_thread(build_engine, self.engine_config)
+                bar.update()
+                bar.set_postfix_str(stages[1])
+                await _in_daemon_thread(_warm_up, engine)
+                bar.update()
+                inner = AsyncEngine(engine, on_dead=self._on_engine_dead)
+                self.state.engine = MeteredEngine(inner, self.metrics, info.name)
+                self.metrics.bind_engine(engine.stats, info.name)
+                inner.start()
+                self.state.engine_info = info
+            if self.server_config.embedding_model != "":
+                bar.set_postfix_str(stages[-1])
+                self.state.embedder = await _in_daemon_thread(_load_embedder, self.server_config.embedding_model)
+                from ..engine.embed_batcher import EmbedBatcher
+
+                self.state.embed_batcher = EmbedBatcher(
+                    self.state.embedder, self.server_config.max_embed_batch_tokens,
+                    tokenize_executor=self.state.embed_executor)
+                bar.update()
         self.state.loading = False
-        info = self.state.engine_info
-        log.info("ready", model=info.name if info else None, dtype=info.dtype if info else None,
-                 device=info.device if info else None, backend=info.attention_backend if info else None,
-                 kv_blocks=info.num_kv_blocks if info else None, max_model_len=info.max_model_len if info else None,
-                 embedding_model=getattr(self.state.embedder, "name", None))
-        await self.health.set(SERVICE_NAME, SERVING)
+        self._log_summary(time.monotonic() - started)
+        if not self.state.shutting_down:
+            await self.health.set(SERVICE_NAME, SERVING)
+
+    def _log_summary(self, load_s: float) -> None:
+        info, emb = self.state.engine_info, self.state.embedder
+        fields = {}
+        if info is not None:
+            fields.update(model=info.name, dtype=info.dtype, device=info.device, backend=info.attention_backend,
+                          kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len)
+        if emb is not None:
+            fields.update(embedding_model=emb.name, embedding_dim=emb.dimension)
+        log.info("ready", **fields, grpc=f"{self.server_config.host}:{self.port}", metrics_port=self.metrics_port,
+                 load_s=round(load_s, 2))
 
     def _on_engine_dead(self, exc: BaseException) -> None:
         asyncio.ensure_future(self.health.set(SERVICE_NAME, NOT_SERVING))
         asyncio.ensure_future(self.health.set("", NOT_SERVING))
 
+    def end_grace_now(self) -> None:
+        """Cut a running :meth:`stop`'s drain short (a second SIGTERM/SIGINT)."""
+        self._end_grace.set()
+
     async def stop(self, grace_s: float | None = None) -> None:
-        """Shutdown: health NOT_SERVING -> refuse new calls -> let in-flight calls finish up to the grace period ->
-        stop the engine."""
+        """Shutdown: health NOT_SERVING -> new InferenceService calls get UNAVAILABLE -> in-flight calls get up to
+        ``grace_s`` (default ``shutdown_grace_s``) to finish -> generation streams still open end with ABORT
+        -> the gRPC server stops -> the metrics endpoint closes."""
         grace_s = self.server_config.shutdown_grace_s if grace_s is None else grace_s
         self.state.shutting_down = True
         await self.health.enter_graceful_shutdown()
+        log.info("shutdown_started", in_flight=self.calls.num_in_flight, grace_s=grace_s)
+        deadline = time.monotonic() + grace_s
+        while self.calls.num_in_flight and time.monotonic() < deadline and not self._end_grace.is_set():
+            try:
+                await asyncio.wait_for(self._end_grace.wait(), min(0.05, max(0.0, deadline - time.monotonic())))
+            except asyncio.TimeoutError:
+                pass
+        cut = self.calls.num_in_flight
         engine = self.state.engine
-        if engine is not None and grace_s > 0:
-            deadline = asyncio.get_running_loop().time() + grace_s
-            while engine.num_live_requests and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.05)
         if engine is not None:
-            await engine.shutdown()
-        await self.server.stop(1.0)
+            await engine.shutdown()  # aborts what is still live: those streams get their ABORT message
+        await self.server.stop(FLUSH_S)
+        if self.state.embed_batcher is not None:
+            self.state.embed_batcher.close()
         self.state.embed_executor.shutdown(wait=False, cancel_futures=True)
-        log.info("server_stopped")
+        self.metrics.stop_http()
+        log.info("server_stopped", calls_cut_at_grace_end=cut)
+
+
+async def _in_daemon_thread(fn, *args):
+    """``fn(*args)`` on a daemon thread (a process told to stop mid-load need not wait for it)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = (True, fn(*args))
+        except BaseException as exc:  # handed to the awaiting coroutine
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name=f"pagedserve-load-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return await future
 
 
 def _warm_up(engine) -> None:

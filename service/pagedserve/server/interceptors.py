@@ -1,6 +1,15 @@
-"""One interceptor that maps engine exceptions to gRPC status codes, for unary and streaming handlers alike,
-and binds the call's method to the structlog context."""
+"""Server interceptors.
+
+- :class:`ErrorMappingInterceptor`: engine exceptions to gRPC status codes, for unary and streaming handlers alike.
+- :class:`CallTrackingInterceptor` (outermost): refuses new InferenceService calls with UNAVAILABLE once shutdown
+  has begun, counts the calls in flight (shutdown drains them) and records the gRPC server metrics per method and
+  final status code.
+"""
 from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -35,6 +44,18 @@ async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception, method:
     await context.abort(code, str(exc))
 
 
+def _rewrap(handler: grpc.RpcMethodHandler, wrap_unary, wrap_stream) -> grpc.RpcMethodHandler:
+    """The same handler with its behaviour wrapped: wrap_unary for unary responses, wrap_stream for streams."""
+    args = (handler.request_deserializer, handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), *args)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), *args)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), *args)
+    return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), *args)
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler: :mod:`pagedserve.errors` exceptions become their status codes, anything else INTERNAL
     (logged with its traceback). Errors raised by ``context.abort`` pass through untouched."""
@@ -44,17 +65,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(self._wrap_unary(handler.unary_unary, method),
-                                                       handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(self._wrap_stream(handler.unary_stream, method),
-                                                        handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(self._wrap_unary(handler.stream_unary, method),
-                                                        handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(self._wrap_stream(handler.stream_stream, method),
-                                                     handler.request_deserializer, handler.response_serializer)
+        return _rewrap(handler, lambda fn: self._wrap_unary(fn, method), lambda fn: self._wrap_stream(fn, method))
 
     @staticmethod
     def _wrap_unary(fn, method):
@@ -77,4 +88,115 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 raise
             except Exception as exc:
                 await _abort_with(context, exc, method)
+        return wrapper
+
+
+def _final_code(context, exc: BaseException | None) -> str:
+    """The status name a finished call ends with (what the client sees)."""
+    if isinstance(exc, asyncio.CancelledError):
+        remaining = context.time_remaining()
+        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+    code = context.code()
+    if code is not None and not isinstance(code, grpc.StatusCode):  # grpc.aio may hand back the core's int
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
+    if code is not None:
+        return code.name
+    return "OK" if exc is None else "UNKNOWN"
+
+
+class CallTrackingInterceptor(grpc.aio.ServerInterceptor):
+    """Shutdown gate, in-flight count and gRPC metrics.
+
+    Args:
+        metrics: a :class:`~pagedserve.server.metrics.ServerMetrics`.
+        refuse: ``refuse(full_method)`` returns a reason to refuse the call with UNAVAILABLE, or None.
+        drained_service: calls of this service (``pagedserve.v1.InferenceService``) are counted in
+            :attr:`num_in_flight`; health and reflection calls are not.
+    """
+
+    def __init__(self, metrics, refuse: Callable[[str], str | None], drained_service: str):
+        self.metrics = metrics
+        self.refuse = refuse
+        self.drained_service = drained_service
+        self.num_in_flight = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        full = handler_call_details.method  # "/package.Service/Method"
+        service, _, name = full.lstrip("/").rpartition("/")
+        kind = ("bidi_stream" if handler.request_streaming and handler.response_streaming else
+                "client_stream" if handler.request_streaming else
+                "server_stream" if handler.response_streaming else "unary")
+        call = _Call(self, full, (kind, service, name), service == self.drained_service,
+                     handler.request_streaming)
+        return _rewrap(handler, call.wrap_unary, call.wrap_stream)
+
+
+class _Call:
+    """The wrappers of one method's handler (shared by every call of it)."""
+
+    def __init__(self, owner: CallTrackingInterceptor, full: str, labels: tuple[str, str, str], drained: bool,
+                 request_streaming: bool):
+        self.owner, self.full, self.labels, self.drained = owner, full, labels, drained
+        self.request_streaming = request_streaming
+
+    async def _enter(self, context) -> float:
+        m = self.owner.metrics
+        m.grpc_started.labels(*self.labels).inc()
+        reason = self.owner.refuse(self.full)
+        if reason is not None:
+            m.grpc_handled.labels(*self.labels, "UNAVAILABLE").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        if self.drained:
+            self.owner.num_in_flight += 1
+        return time.perf_counter()
+
+    def _exit(self, context, start: float, exc: BaseException | None) -> None:
+        if self.drained:
+            self.owner.num_in_flight -= 1
+        m = self.owner.metrics
+        m.grpc_handled.labels(*self.labels, _final_code(context, exc)).inc()
+        m.grpc_seconds.labels(*self.labels).observe(time.perf_counter() - start)
+
+    def _requests(self, request):
+        if not self.request_streaming:
+            self.owner.metrics.grpc_msg_received.labels(*self.labels).inc()
+            return request
+        return self._count_received(request)
+
+    async def _count_received(self, iterator):
+        counter = self.owner.metrics.grpc_msg_received.labels(*self.labels)
+        async for item in iterator:
+            counter.inc()
+            yield item
+
+    def wrap_unary(self, fn):
+        async def wrapper(request, context):
+            start, exc = await self._enter(context), None
+            try:
+                response = await fn(self._requests(request), context)
+                self.owner.metrics.grpc_msg_sent.labels(*self.labels).inc()
+                return response
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                self._exit(context, start, exc)
+        return wrapper
+
+    def wrap_stream(self, fn):
+        async def wrapper(request, context):
+            start, exc = await self._enter(context), None
+            sent = self.owner.metrics.grpc_msg_sent.labels(*self.labels)
+            try:
+                async for item in fn(self._requests(request), context):
+                    sent.inc()
+                    yield item
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                self._exit(context, start, exc)
         return wrapper

@@ -65,20 +65,49 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return await self._embed(request, 0)
 
     async def EmbedStream(self, request_iterator, context) -> AsyncIterator[pb.EmbedResponse]:
-        index = 0
-        async for request in request_iterator:
-            yield await self._embed(request, index)
-            index += 1
+        """Requests are embedded concurrently (up to 64 in flight; the stream reads no further until one is
+        answered), so they batch together; responses go out in request order, each with its request_id and
+        stream_index. A failing request ends the stream with its status; leaving the stream cancels the requests
+        still in flight."""
+        window = asyncio.Semaphore(64)
+        in_flight: asyncio.Queue = asyncio.Queue()   # tasks in request order, then None (end of requests)
+
+        async def read() -> None:
+            try:
+                index = 0
+                async for request in request_iterator:
+                    await window.acquire()
+                    in_flight.put_nowait(asyncio.ensure_future(self._embed(request, index)))
+                    index += 1
+            finally:
+                in_flight.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (task := await in_flight.get()) is not None:
+                response = await task
+                window.release()
+                yield response
+            await reader                                  # re-raises a failure to read the requests
+        finally:
+            reader.cancel()
+            while not in_flight.empty():
+                if (task := in_flight.get_nowait()) is not None:
+                    task.cancel()
 
     async def _embed(self, request: pb.EmbedRequest, stream_index: int) -> pb.EmbedResponse:
         embedder = self._embedder()
         if not request.inputs:
             raise InvalidInputError("needs at least one text", "inputs")
-        result = await asyncio.get_running_loop().run_in_executor(
-            self.state.embed_executor, lambda: embedder.embed(list(request.inputs), **convert.embed_options(request)))
+        options = convert.embed_options(request)
+        batcher = getattr(self.state, "embed_batcher", None)
+        if batcher is not None:
+            result = await batcher.embed(list(request.inputs), **options)
+        else:  # no batcher wired: one call at a time on the embed executor
+            result = await asyncio.get_running_loop().run_in_executor(
+                self.state.embed_executor, lambda: embedder.embed(list(request.inputs), **options))
         resp = pb.EmbedResponse(request_id=request.request_id, stream_index=stream_index)
-        for row in result.vectors.tolist():
-            resp.embeddings.add(values=row)
+        resp.embeddings.extend(pb.Embedding(values=row) for row in result.vectors.tolist())
         resp.usage.prompt_tokens = result.prompt_tokens
         return resp
 

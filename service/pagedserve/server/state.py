@@ -10,6 +10,7 @@ class ServerState:
     engine: object | None = None          # AsyncEngine once the generation model is loaded
     engine_info: object | None = None     # builder.EngineInfo
     embedder: object | None = None        # engine.embedder.Embedder once loaded
+    embed_batcher: object | None = None   # engine.embed_batcher.EmbedBatcher over the embedder once loaded
     loading: bool = True                  # models still loading
     shutting_down: bool = False
     embed_executor: concurrent.futures.ThreadPoolExecutor = field(

@@ -69,13 +69,26 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
-        """Longest chain of cached full blocks matching the request's tokens, leaving at least one token to compute.
+        """Blocks a new (or preempted) request can take instead of computing, leaving at least one token to compute.
 
-        Counts the lookup in :attr:`stats` (tokens queried: the prompt; hits: the blocks found).
+        For an ``n > 1`` completion whose ``fork_parent`` still holds its prompt blocks, these are the parent's full
+        prompt blocks (shared whether or not prefix caching is on). Otherwise the longest chain of cached full blocks
+        matching the request's tokens. Counts the lookup in :attr:`stats`.
         """
-        if not self.enable_prefix_caching:
-            return []
         max_blocks = (request.num_tokens - 1) // self.block_size
+        parent = request.fork_parent
+        if parent is not None and parent.blocks:
+            shareable = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
+            hits = parent.blocks[:min(max_blocks, shareable)]
+        elif self.enable_prefix_caching:
+            hits = self._lookup_chain(request, max_blocks)
+        else:
+            return []
+        self.stats.queries_tokens += request.num_prompt_tokens
+        self.stats.hits_tokens += min(len(hits) * self.block_size, request.num_prompt_tokens)
+        return hits
+
+    def _lookup_chain(self, request: Request, max_blocks: int) -> list[KVBlock]:
         hits: list[KVBlock] = []
         parent = None
         for i in range(max_blocks):
@@ -87,8 +100,6 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = h
-        self.stats.queries_tokens += request.num_prompt_tokens
-        self.stats.hits_tokens += min(len(hits) * self.block_size, request.num_prompt_tokens)
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -116,20 +127,22 @@ class KVCacheManager:
         return True
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash and cache the blocks that are full once ``num_tokens`` tokens are computed."""
+        """Hash and register the blocks that are full once ``num_tokens`` tokens are computed."""
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         bs = self.block_size
-        for i in range(len(request.block_hashes), num_full):
+        for i in range(request.num_registered_blocks, num_full):
             parent = request.block_hashes[i - 1] if i else None
             tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, tokens, request.cache_salt)
-            request.block_hashes.append(h)
-            self.pool.cache_block(request.blocks[i], h, parent, tokens)
+            if i == len(request.block_hashes):
+                request.block_hashes.append(hash_block(parent, tokens, request.cache_salt))
+            self.pool.cache_block(request.blocks[i], request.block_hashes[i], parent, tokens)
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (shared prefixes are evicted last)."""
         self.pool.free(list(reversed(request.blocks)))
         request.blocks = []
+        request.num_registered_blocks = 0
 
     def slot(self, request: Request, position: int) -> int:
         """Cache slot of the token at ``position``: ``block_id * block_size + position % block_size``."""

@@ -1,0 +1,136 @@
+// Building blocks of paged_decode_kernel (decode_attention.cu): the lane layout over K/V rows, the per-lane
+// online-softmax state, staging one chunk of K/V into a warp's cp.async ring, and folding a staged chunk into the
+// softmax state.
+#pragma once
+
+#include "common.cuh"
+
+namespace pagedserve {
+
+// How lanes map onto K/V rows. A row (one token, one KV head) is HEAD_DIM elements = kRowVecs 16-byte vectors;
+// kLanesPerRow lanes read it (kVecsPerLane vectors each, coalesced), so a warp covers kRows tokens per step.
+// kernel_geometry.decode_smem_bytes mirrors kSmemBytes; the kernel traps if it is launched with less.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GQA_TILE, int NUM_WARPS>
+struct DecodeLayout {
+  static constexpr int kVec = VecTraits<T>::kVec;
+  static constexpr int kRowVecs = HEAD_DIM / kVec;
+  static constexpr int kLanesPerRow = kRowVecs < 32 ? kRowVecs : 32;
+  static constexpr int kVecsPerLane = kRowVecs / kLanesPerRow;
+  static constexpr int kElems = kVecsPerLane * kVec;  // row elements owned by one lane
+  static constexpr int kRows = 32 / kLanesPerRow;
+  // Steps per chunk: at most 4 vectors of K (and 4 of V) per lane per stage, at most 16 scores per lane, and a
+  // chunk never crosses a cache block. All factors are powers of two, so kChunk divides BLOCK_SIZE.
+  static constexpr int kStepsLoads = 4 / kVecsPerLane;
+  static constexpr int kStepsScores = 16 / GQA_TILE;
+  static constexpr int kStepsBlock = BLOCK_SIZE / kRows;
+  static constexpr int kStepsAB = kStepsLoads < kStepsScores ? kStepsLoads : kStepsScores;
+  static constexpr int kSteps = kStepsAB < kStepsBlock ? kStepsAB : kStepsBlock;
+  static constexpr int kChunk = kRows * kSteps;  // tokens per chunk
+  static constexpr int kStages = 4;
+  static constexpr int kStageVecs = kSteps * kVecsPerLane * 32;  // uint4 of K (and of V) per warp per stage
+  static constexpr int kRingBytes = NUM_WARPS * kStages * 2 * kStageVecs * 16;
+  static constexpr int kMergeBytes = (NUM_WARPS * GQA_TILE * HEAD_DIM + 2 * NUM_WARPS * GQA_TILE) * 4;
+  static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
+
+  static_assert(HEAD_DIM % kVec == 0 && kRowVecs % kLanesPerRow == 0, "head_dim must be a multiple of 16 bytes");
+  static_assert(32 % kLanesPerRow == 0, "lanes per row must divide the warp");
+  static_assert(BLOCK_SIZE % kChunk == 0, "a chunk must not cross a cache block");
+  static_assert(GQA_TILE >= 1 && GQA_TILE <= 8, "GQA tile of 1..8 heads");
+};
+
+// Per-lane online-softmax state for GQA_TILE heads over this lane's kElems output columns.
+template <int GQA_TILE, int ELEMS> struct SoftmaxState {
+  float m[GQA_TILE];             // running max (log2 domain), warp-uniform
+  float l[GQA_TILE];             // running sum of exp2(score - m) over this lane's row group
+  float acc[GQA_TILE][ELEMS];    // running sum of p * V over this lane's row group
+};
+
+// Stage one chunk (kChunk tokens inside one cache block) of K and V into `stage` of this warp's ring: step s,
+// vector j of this lane lands at [(s * kVecsPerLane + j) * 32 + lane] (conflict-free 16-byte accesses). Tokens at
+// or past `end` are zero-filled. Commits a cp.async group, an empty one past the end so the count stays uniform.
+template <typename L, typename T>
+__device__ __forceinline__ void stage_chunk(uint4* stage, const T* k_cache, const T* v_cache, int chunk,
+                                            long long chunk_base, int end, long long row_stride, int row, int lane) {
+  if (chunk < end) {
+#pragma unroll
+    for (int s = 0; s < L::kSteps; ++s) {
+      const bool valid = chunk + s * L::kRows + row < end;
+      const long long base = chunk_base + (valid ? (long long)(s * L::kRows + row) * row_stride : 0);
+#pragma unroll
+      for (int j = 0; j < L::kVecsPerLane; ++j) {
+        const int slot = (s * L::kVecsPerLane + j) * 32 + lane;
+        const long long off = base + j * L::kLanesPerRow * L::kVec;
+        cp_async_16(stage + slot, k_cache + off, valid);
+        cp_async_16(stage + L::kStageVecs + slot, v_cache + off, valid);
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+// One staged chunk into the online softmax: scores of every step's token for every head (partial dot products,
+// then a butterfly over the lanes of the row), the chunk max over the warp, rescaling, and acc += p * V.
+// `valid_rows` = tokens of the chunk before the partition's end (>= 1: the chunk's first token is valid).
+template <typename L, typename T, int GQA_TILE>
+__device__ __forceinline__ void attend_chunk(SoftmaxState<GQA_TILE, L::kElems>& st,
+                                             const float (&q)[GQA_TILE][L::kElems], const uint4* stage,
+                                             int valid_rows, int row, int lane) {
+  float sc[L::kSteps][GQA_TILE];
+#pragma unroll
+  for (int s = 0; s < L::kSteps; ++s) {
+    float kf[L::kElems];
+#pragma unroll
+    for (int j = 0; j < L::kVecsPerLane; ++j) {
+      float f[L::kVec];
+      unpack_vec<T>(stage[(s * L::kVecsPerLane + j) * 32 + lane], f);
+#pragma unroll
+      for (int e = 0; e < L::kVec; ++e) kf[j * L::kVec + e] = f[e];
+    }
+    const bool valid = s * L::kRows + row < valid_rows;
+#pragma unroll
+    for (int g = 0; g < GQA_TILE; ++g) {
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < L::kElems; ++e) dot = fmaf(q[g][e], kf[e], dot);
+      dot = warp_sum_range<1, L::kLanesPerRow>(dot);
+      sc[s][g] = valid ? dot : neg_inf();
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GQA_TILE; ++g) {
+    float cmax = sc[0][g];
+#pragma unroll
+    for (int s = 1; s < L::kSteps; ++s) cmax = fmaxf(cmax, sc[s][g]);
+    cmax = warp_max_range<L::kLanesPerRow, 32>(cmax);  // finite: the chunk's first token is valid
+    const float m_new = fmaxf(st.m[g], cmax);
+    const float alpha = exp2f(st.m[g] - m_new);  // 0 on the first chunk (m = -inf)
+    st.m[g] = m_new;
+    float psum = 0.f;
+#pragma unroll
+    for (int s = 0; s < L::kSteps; ++s) {
+      sc[s][g] = exp2f(sc[s][g] - m_new);  // masked tokens: exp2(-inf) = 0
+      psum += sc[s][g];
+    }
+    st.l[g] = st.l[g] * alpha + psum;
+#pragma unroll
+    for (int e = 0; e < L::kElems; ++e) st.acc[g][e] *= alpha;
+  }
+  // Masked tokens have p = 0 and zero-filled V, so unwritten cache slots cannot inject NaN.
+#pragma unroll
+  for (int s = 0; s < L::kSteps; ++s) {
+    float vf[L::kElems];
+#pragma unroll
+    for (int j = 0; j < L::kVecsPerLane; ++j) {
+      float f[L::kVec];
+      unpack_vec<T>(stage[L::kStageVecs + (s * L::kVecsPerLane + j) * 32 + lane], f);
+#pragma unroll
+      for (int e = 0; e < L::kVec; ++e) vf[j * L::kVec + e] = f[e];
+    }
+#pragma unroll
+    for (int g = 0; g < GQA_TILE; ++g)
+#pragma unroll
+      for (int e = 0; e < L::kElems; ++e) st.acc[g][e] = fmaf(sc[s][g], vf[e], st.acc[g][e]);
+  }
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,254 @@
+"""Dynamic batching of Embed calls: the inputs of every waiting call share micro-batches grouped by length.
+
+Each call's texts are tokenized off the event loop, then every input becomes a pending item in one pool, kept
+sorted by token length. A single worker thread repeatedly takes one micro-batch from the pool and runs it through
+:meth:`Embedder.encode_micro_batch`; new calls join the pool between micro-batches, so a call's inputs can ride
+with another call's (as text-embeddings-inference batches across requests).
+
+Choosing a micro-batch: calls take turns (round robin) to anchor one: the anchor is the first pending input of the
+call whose turn it is, so a small call is never stuck behind a large one and no call starves. The batch then
+grows around the anchor in length order, one neighbour at a time (the one adding the least padding), while its
+padded size ``rows * longest`` stays within ``max_batch_tokens`` and padding stays a small fraction of it. A single
+input longer than the budget runs alone. Padding keys are masked, so the grouping never changes a vector.
+
+Each call gets its vectors in its own input order; cancelling a call (client cancel, deadline) drops its inputs
+that have not run yet.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import concurrent.futures
+import threading
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from ..errors import EngineUnavailableError
+from .embedder import Embedder, EmbedResult
+
+log = structlog.get_logger(__name__)
+
+
+class _Call:
+    """One Embed call in flight: its inputs' token ids and the vectors filled in as micro-batches finish."""
+
+    __slots__ = ("loop", "future", "token_ids", "vectors", "remaining", "cancelled", "items", "cursor")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, token_ids: list[list[int]], dimension: int):
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.token_ids = token_ids                              # per input, special tokens included
+        self.vectors = torch.empty(len(token_ids), dimension)   # [N, dimension] float32, row i for input i
+        self.remaining = len(token_ids)                         # inputs not yet embedded (worker thread only)
+        self.cancelled = False                                  # set on the loop when the caller goes away
+        self.items: list[_Item] = []                            # its pool items, in input order
+        self.cursor = 0                                         # items before it have left the pool
+
+    def next_pending(self) -> _Item | None:
+        """Its first input still in the pool (under the batcher's lock), None when none is left."""
+        while self.cursor < len(self.items) and self.items[self.cursor].taken:
+            self.cursor += 1
+        return self.items[self.cursor] if self.cursor < len(self.items) else None
+
+    def post(self, outcome: torch.Tensor | BaseException) -> None:
+        """From the worker thread: hand the finished vectors (or the failure) to the caller's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self._resolve, outcome)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _resolve(self, outcome: torch.Tensor | BaseException) -> None:
+        if self.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            self.future.set_exception(outcome)
+        else:
+            self.future.set_result(outcome)
+
+
+@dataclass(order=True, slots=True)
+class _Item:
+    """One pending input; pool order is (length, arrival)."""
+
+    length: int                                        # tokens, special tokens included
+    seq: int                                           # global arrival number (ties broken by arrival)
+    call: _Call = field(compare=False)
+    index: int = field(compare=False)                  # the input's position in its call
+    taken: bool = field(default=False, compare=False)  # left the pool (ran, or its call was cancelled)
+
+
+class EmbedBatcher:
+    """Batches the inputs of concurrent :meth:`embed` calls into micro-batches run by one worker thread.
+
+    Args:
+        embedder: the model; only its ``encode_micro_batch`` runs on the worker thread.
+        max_batch_tokens: padded tokens (rows * longest input) per micro-batch; a longer single input runs alone.
+        max_padding_fraction: a neighbour joins a micro-batch only if padding stays at most this fraction of its
+            padded tokens (or the batch stays within ``small_batch_tokens``).
+        small_batch_tokens: padded size under which any neighbour may join (per-batch overhead dominates there).
+        tokenize_executor: where texts are tokenized (off the event loop); default: a private 1-thread pool.
+    """
+
+    def __init__(self, embedder: Embedder, max_batch_tokens: int = 8192, *, max_padding_fraction: float = 0.2,
+                 small_batch_tokens: int = 128,
+                 tokenize_executor: concurrent.futures.Executor | None = None):
+        if max_batch_tokens <= 0:
+            raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+        if not 0.0 <= max_padding_fraction < 1.0:
+            raise ValueError(f"max_padding_fraction must be in [0, 1), got {max_padding_fraction}")
+        self.embedder = embedder
+        self.max_batch_tokens = max_batch_tokens
+        self._max_padding_fraction = max_padding_fraction
+        self._small_batch_tokens = small_batch_tokens
+        self._own_executor = tokenize_executor is None
+        self._tokenize_executor = tokenize_executor or concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pagedserve-embed-tokenize")
+        self._cond = threading.Condition()
+        self._pool: list[_Item] = []                      # pending items sorted by (length, seq)
+        self._calls: collections.deque[_Call] = collections.deque()  # calls with pending inputs, in turn order
+        self._next_seq = 0
+        self._stopping = False
+        self.num_micro_batches = 0                        # micro-batches run so far (for tests and logs)
+        self.num_shared_micro_batches = 0                 # of which held inputs of more than one call
+        self._thread = threading.Thread(target=self._run, name="pagedserve-embed-worker", daemon=True)
+        self._thread.start()
+
+    # ---- event-loop side ---------------------------------------------------------------------------------------
+    async def embed(self, texts: list[str], normalize: bool = True, truncate: bool = False,
+                    dimensions: int | None = None) -> EmbedResult:
+        """Embed texts as :meth:`Embedder.embed` does (same vectors, same ``prompt_tokens``), batched with
+        whatever other calls are waiting.
+
+        Raises:
+            InvalidInputError: as :meth:`Embedder.embed` (empty list, too long without truncate, bad dimensions).
+            EngineUnavailableError: the batcher is closed.
+            asyncio.CancelledError: the caller was cancelled; its pending inputs are dropped.
+        """
+        self.embedder.check_dimensions(dimensions)
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        token_ids = await loop.run_in_executor(self._tokenize_executor, self.embedder.tokenize, texts, truncate)
+        call = _Call(loop, token_ids, self.embedder.dimension)
+        self._enqueue(call)
+        try:
+            vectors = await call.future
+        except asyncio.CancelledError:
+            self._drop(call)
+            raise
+        return EmbedResult(Embedder.finish(vectors, normalize, dimensions), sum(map(len, token_ids)))
+
+    def close(self) -> None:
+        """Stop the worker after its current micro-batch; calls still waiting get EngineUnavailableError."""
+        with self._cond:
+            self._stopping = True
+            pending = {id(it.call): it.call for it in self._pool}
+            self._pool.clear()
+            self._calls.clear()
+            self._cond.notify_all()
+        for call in pending.values():
+            call.post(EngineUnavailableError("the embedder is shutting down"))
+        if self._own_executor:
+            self._tokenize_executor.shutdown(wait=False, cancel_futures=True)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for the worker thread to exit (after :meth:`close`)."""
+        self._thread.join(timeout_s)
+
+    @property
+    def num_pending_inputs(self) -> int:
+        """Inputs waiting in the pool (not yet in a micro-batch)."""
+        with self._cond:
+            return len(self._pool)
+
+    def _check_open(self) -> None:
+        if self._stopping:
+            raise EngineUnavailableError("the embedder is shutting down")
+
+    def _enqueue(self, call: _Call) -> None:
+        with self._cond:
+            self._check_open()
+            for index, seq in enumerate(call.token_ids):
+                item = _Item(len(seq), self._next_seq, call, index)
+                self._next_seq += 1
+                bisect.insort(self._pool, item)
+                call.items.append(item)
+            self._calls.append(call)
+            self._cond.notify()
+
+    def _drop(self, call: _Call) -> None:
+        """Forget a call's pending inputs (its caller went away, or its micro-batch failed). Any thread."""
+        call.cancelled = True
+        with self._cond:
+            for item in call.items:
+                item.taken = True
+            self._pool = [item for item in self._pool if not item.taken]
+
+    # ---- worker thread -----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pool:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                batch = self._take_micro_batch()
+            self._run_micro_batch(batch)
+
+    def _take_micro_batch(self) -> list[_Item]:
+        """Remove and return the next micro-batch from the pool (caller holds the lock; the pool is not empty)."""
+        while (anchor := self._calls[0].next_pending()) is None:
+            self._calls.popleft()
+        self._calls.rotate(-1)                                      # its turn is used: to the back of the line
+        pool = self._pool
+        lo = bisect.bisect_left(pool, anchor)
+        hi = lo + 1
+        longest, real = anchor.length, anchor.length
+        while True:
+            rows = hi - lo + 1
+            left = pool[lo - 1].length if lo > 0 else None            # shorter: padding longest - left
+            right = pool[hi].length if hi < len(pool) else None       # longer: pads every row already in
+            pad_left = longest - left if left is not None else None
+            pad_right = (rows - 1) * (right - longest) if right is not None else None
+            if pad_left is not None and (pad_right is None or pad_left <= pad_right) and \
+                    self._fits(rows * longest, real + left):
+                lo, real = lo - 1, real + left
+            elif pad_right is not None and self._fits(rows * right, real + right):
+                hi, real, longest = hi + 1, real + right, right
+            else:
+                break
+        batch = pool[lo:hi]
+        del pool[lo:hi]
+        for item in batch:
+            item.taken = True
+        return batch
+
+    def _fits(self, padded: int, real: int) -> bool:
+        if padded > self.max_batch_tokens:
+            return False
+        return padded <= self._small_batch_tokens or padded - real <= self._max_padding_fraction * padded
+
+    def _run_micro_batch(self, batch: list[_Item]) -> None:
+        try:
+            vectors = self.embedder.encode_micro_batch([it.call.token_ids[it.index] for it in batch])
+        except Exception as exc:  # a bug or out of memory: fail the calls in this batch, keep serving others
+            log.exception("embed_micro_batch_failed", rows=len(batch))
+            for call in {id(it.call): it.call for it in batch}.values():
+                self._drop(call)
+                call.post(exc)
+            return
+        self.num_micro_batches += 1
+        calls = {id(it.call): it.call for it in batch}
+        if len(calls) > 1:
+            self.num_shared_micro_batches += 1
+        for row, item in enumerate(batch):
+            call = item.call
+            if call.cancelled:
+                continue
+            call.vectors[item.index] = vectors[row]
+            call.remaining -= 1
+            if call.remaining == 0:
+                call.post(call.vectors)
+

@@ -1,0 +1,119 @@
+"""Graceful shutdown of a real `pagedserve serve` process: on SIGTERM health turns NOT_SERVING, new calls get
+UNAVAILABLE, a stream that can finish within --shutdown-grace finishes normally, one that cannot ends with ABORT
+when the grace runs out, and the process exits 0."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve_client.v1 import inference_pb2 as pb
+from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
+
+GRACE_S = 8.0
+SERVICE = "pagedserve.v1.InferenceService"
+
+
+class ServerProcess:
+    """`python -m pagedserve.cli serve` on a free port, JSON logs collected by a reader thread."""
+
+    def __init__(self, *extra: str):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--no-embedding-model",
+               "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--log-json", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_event(self, event: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, "server exited:\n" + "".join(self.log[-30:])
+                continue
+            if line.startswith("{") and json.loads(line).get("event") == event:
+                return json.loads(line)
+        raise AssertionError(f"no {event!r} log line in {timeout_s}s:\n" + "".join(self.log[-30:]))
+
+
+def _consume(call, out: dict, first: threading.Event) -> None:
+    out["responses"] = []
+    try:
+        for response in call:
+            out["responses"].append(response)
+            first.set()
+        out["code"] = grpc.StatusCode.OK
+    except grpc.RpcError as err:
+        out["code"] = err.code()
+    first.set()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
+    server = ServerProcess("--shutdown-grace", str(GRACE_S))
+    try:
+        port = server.wait_event("server_listening", 60)["port"]
+        server.wait_event("ready", 600)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")  # no retry policy: every refusal is seen as is
+        stub, health = pb_grpc.InferenceServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+        sampling = dict(temperature=0.0, ignore_eos=True)
+        short = stub.Generate(pb.GenerateRequest(prompt="Once upon a time",
+                                                 sampling=pb.SamplingParams(max_tokens=4, **sampling)))
+        endless = stub.Generate(pb.GenerateRequest(prompt="List every prime number:",
+                                                   sampling=pb.SamplingParams(max_tokens=4000, **sampling)))
+        results, threads = [], []
+        for call in (short, endless):
+            out, first = {}, threading.Event()
+            threads.append(threading.Thread(target=_consume, args=(call, out, first), daemon=True))
+            threads[-1].start()
+            results.append((out, first))
+        for _, first in results:
+            assert first.wait(120), "no first response before SIGTERM"
+
+        server.proc.send_signal(signal.SIGTERM)
+        sent_at = time.monotonic()
+        server.wait_event("shutdown_started", 30)
+        check = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+        assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(prompt="hello"), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as refused_unary:
+            stub.Tokenize(pb.TokenizeRequest(text="hello"), timeout=10)
+        assert refused_unary.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        for thread in threads:
+            thread.join(GRACE_S + 30)
+        (short_out, _), (endless_out, _) = results
+        assert short_out["code"] == grpc.StatusCode.OK
+        assert short_out["responses"][-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.token_ids) for r in short_out["responses"]) == 4
+        assert endless_out["code"] == grpc.StatusCode.OK
+        last = endless_out["responses"][-1]
+        assert last.finish_reason == pb.FINISH_REASON_ABORT and last.HasField("usage")
+        assert 0 < last.usage.completion_tokens < 4000
+        assert server.proc.wait(timeout=60) == 0
+        assert time.monotonic() - sent_at >= GRACE_S - 0.5  # the open stream held the drain for the whole grace
+        assert any('"server_stopped"' in line for line in server.log)
+        channel.close()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
