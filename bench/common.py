@@ -72,7 +72,8 @@ def configure_threads(num_threads: int) -> dict:
 
     torch.set_num_threads(num_threads)
     return {"torch_intra_op_threads": torch.get_num_threads(), "omp_num_threads_server": num_threads,
-            "cpu_count": os.cpu_count(), "torch_version": torch.__version__}
+            "cpu_count": os.cpu_count(), "torch_version": torch.__version__,
+            "loadavg_1m_before": round(os.getloadavg()[0], 2)}  # well above 0: others were using the CPU
 
 
 def server_env(num_threads: int) -> dict[str, str]:

@@ -42,19 +42,15 @@ async def one_stream(stub, rng: random.Random, i: int) -> str:
             await asyncio.sleep(rng.uniform(0.01, 0.5))
             call.cancel()
         else:
-            limit = rng.randint(1, 10)
-            n = 0
+            limit, n = rng.randint(1, 10), 0
             async for msg in call:
                 n += len(msg.token_ids)
                 if n >= limit:
                     call.cancel()
                     break
-        await call
-    except asyncio.CancelledError:
-        return "CANCELLED"
     except grpc.aio.AioRpcError as err:
         return err.code().name
-    return "OK"
+    return (await call.code()).name
 
 
 async def storm(target: str) -> list[str]:

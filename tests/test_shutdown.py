@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve_client.v1 import inference_pb2 as pb
 from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 
-GRACE_S = 8.0
+GRACE_S = 6.0
 SERVICE = "pagedserve.v1.InferenceService"
 
 
@@ -67,7 +67,7 @@ def _consume(call, out: dict, first: threading.Event) -> None:
 
 @pytest.mark.slow
 def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
-    server = ServerProcess("--shutdown-grace", str(GRACE_S))
+    server = ServerProcess("--shutdown-grace", str(GRACE_S), "--num-kv-blocks", "300")
     try:
         port = server.wait_event("server_listening", 60)["port"]
         server.wait_event("ready", 600)

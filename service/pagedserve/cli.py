@@ -80,8 +80,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     parser = argparse.ArgumentParser(prog="pagedserve", description="gRPC LLM inference sidecar")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start the gRPC server", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       epilog=f"Every flag is also read from {ENV_PREFIX}<FLAG> (upper case, '-' as '_'); "
-                              "the command line wins.")
+                       epilog=f"Every flag is also read from {ENV_PREFIX}<FLAG> (upper case, '-' as '_'; "
+                              f"switches take true/false; --no-enable-prefix-caching is "
+                              f"{ENV_PREFIX}ENABLE_PREFIX_CACHING=false); the command line wins.")
     _add_server_flags(s)
     _add_engine_flags(s)
     apply_environment(s, environment_settings(environ))

@@ -81,8 +81,8 @@ class ServerConfig:
             (``grpc.max_send_message_length`` / ``grpc.max_receive_message_length``).
         keepalive_time_ms: the server pings an idle connection after this long (``grpc.keepalive_time_ms``).
         keepalive_timeout_ms: and closes it when the ping is not answered within this (``grpc.keepalive_timeout_ms``).
-        keepalive_permit_without_calls: accept client keepalive pings on connections with no open call
-            (``grpc.keepalive_permit_without_calls``).
+        keepalive_permit_without_calls: keepalive pings are allowed on connections with no open call: the
+            server sends them and accepts the client's (``grpc.keepalive_permit_without_calls``).
         http2_min_ping_interval_without_data_ms: shortest interval between client pings the server accepts while
             it sends no data; a faster ping is a strike (``grpc.http2.min_ping_interval_without_data_ms``).
         http2_max_ping_strikes: strikes before the server closes the connection with GOAWAY "too_many_pings";

@@ -21,6 +21,7 @@ import bisect
 import collections
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass, field
 
 import structlog
@@ -113,6 +114,8 @@ class EmbedBatcher:
         self._stopping = False
         self.num_micro_batches = 0                        # micro-batches run so far (for tests and logs)
         self.num_shared_micro_batches = 0                 # of which held inputs of more than one call
+        self.num_padded_tokens = 0                        # sum over micro-batches of rows * longest
+        self.num_real_tokens = 0                          # sum of their inputs' lengths (the rest is padding)
         self._thread = threading.Thread(target=self._run, name="pagedserve-embed-worker", daemon=True)
         self._thread.start()
 
@@ -231,6 +234,7 @@ class EmbedBatcher:
         return padded <= self._small_batch_tokens or padded - real <= self._max_padding_fraction * padded
 
     def _run_micro_batch(self, batch: list[_Item]) -> None:
+        started = time.perf_counter()
         try:
             vectors = self.embedder.encode_micro_batch([it.call.token_ids[it.index] for it in batch])
         except Exception as exc:  # a bug or out of memory: fail the calls in this batch, keep serving others
@@ -239,10 +243,14 @@ class EmbedBatcher:
                 self._drop(call)
                 call.post(exc)
             return
-        self.num_micro_batches += 1
         calls = {id(it.call): it.call for it in batch}
-        if len(calls) > 1:
-            self.num_shared_micro_batches += 1
+        padded, real = len(batch) * batch[-1].length, sum(it.length for it in batch)
+        self.num_micro_batches += 1
+        self.num_shared_micro_batches += len(calls) > 1
+        self.num_padded_tokens += padded
+        self.num_real_tokens += real
+        log.debug("embed_micro_batch", rows=len(batch), calls=len(calls), padded_tokens=padded, real_tokens=real,
+                  pending=len(self._pool), seconds=round(time.perf_counter() - started, 4))
         for row, item in enumerate(batch):
             call = item.call
             if call.cancelled:

@@ -32,6 +32,7 @@ class Usage:
     prompt_tokens: int           # after truncation
     completion_tokens: int       # over all n completions
     cached_prompt_tokens: int    # prompt tokens served from the prefix cache (first completion's)
+    queue_time_s: float | None = None  # arrival to first scheduling of any completion (None: never scheduled)
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ class CompletionDelta:
     finish_reason: str | None = None                 # None while running; "stop", "length" or "abort"
     matched_stop: int | str | None = None            # the stop token id or stop string that ended it
     usage: Usage | None = None                       # on the request's last delta
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the request's first delta, when asked for
     error: Exception | None = None                   # set when processing this request failed (it is aborted)
 
 
@@ -84,6 +86,7 @@ class LLMEngine:
                                    config.long_prefill_token_threshold, config.max_waiting_requests)
         self.groups: dict[str, RequestGroup] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_lps: dict[str, list[TokenLogprobs]] = {}  # prompt logprobs gathered across prefill chunks
         self._forking: list[RequestGroup] = []   # n > 1 groups whose other completions wait for the prompt
         self.num_steps = 0
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
@@ -189,6 +192,8 @@ class LLMEngine:
 
     def _process(self, result: StepResult) -> list[CompletionDelta]:
         deltas = []
+        for rid, lps in (result.prompt_logprobs or {}).items():
+            self._prompt_lps.setdefault(rid, []).extend(lps)
         if result.output is None:
             return deltas
         for i, entry in enumerate(result.sampled):
@@ -196,6 +201,8 @@ class LLMEngine:
             if req.is_finished:
                 continue
             delta = CompletionDelta(req.parent_id, req.index)
+            if req.params.prompt_logprobs is not None and req.index == 0 and req.num_output_tokens == 0:
+                delta.prompt_logprobs = self._prompt_lps.pop(req.request_id, [])
             try:
                 self._append_token(req, result.output.token_ids[i], result.output.logprobs[i], delta)
             except Exception as exc:  # one request's failure must not take the others down
@@ -230,6 +237,7 @@ class LLMEngine:
 
     def _finish_delta(self, req: Request, delta: CompletionDelta) -> CompletionDelta:
         """Fill the finish fields of ``delta`` (req already finished); usage when the whole group is done."""
+        self._prompt_lps.pop(req.request_id, None)
         detok = self._detok.pop(req.request_id, None)
         if detok is not None and not isinstance(req.stop_reason, str) and delta.error is None:
             delta.text += detok.flush()
@@ -242,8 +250,10 @@ class LLMEngine:
         if group.num_finished == len(group.children):
             del self.groups[req.parent_id]
             first = group.children[0]
+            scheduled = [c.first_scheduled_time for c in group.children if c.first_scheduled_time is not None]
             delta.usage = Usage(first.num_prompt_tokens, sum(c.num_output_tokens for c in group.children),
-                                max(first.num_cached_tokens, 0))
+                                max(first.num_cached_tokens, 0),
+                                max(0.0, min(scheduled) - first.arrival_time) if scheduled else None)
         return delta
 
     # ---- introspection -----------------------------------------------------------------------------------------

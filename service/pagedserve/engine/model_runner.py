@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.base import AttentionBackend, AttentionMetadata
-from .sampler import Sampler, SamplerOutput, SamplingRow
+from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, compute_logprobs
 from .scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -28,10 +28,14 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+PROMPT_LOGPROBS_CHUNK_ROWS = 256  # logits rows materialized at once for prompt logprobs ([rows, vocab] fp32)
+
+
 @dataclass(slots=True)
 class StepResult:
     sampled: list[ScheduledRequest]      # the scheduled entries that sampled, in the order of `output`'s rows
     output: SamplerOutput | None         # None when no row sampled (all prefill chunks)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None  # request id -> this step's prompt positions
 
 
 class ModelRunner:
@@ -97,9 +101,10 @@ class ModelRunner:
         entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self.prepare(entries)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        prompt_lps = self._prompt_logprobs(entries, hidden)
         sampled = [e for e in entries if e.samples]
         if not sampled:
-            return StepResult([], None)
+            return StepResult([], None, prompt_lps)
         last_rows, pos = [], 0
         for e in entries:
             pos += e.num_new_tokens
@@ -109,4 +114,28 @@ class ModelRunner:
         rows = [SamplingRow(params=e.request.params, prompt_token_ids=e.request.prompt_token_ids,
                             output_token_ids=e.request.output_token_ids, generator=e.request.generator,
                             eos_token_ids=e.request.eos_token_ids) for e in sampled]
-        return StepResult(sampled, self.sampler(logits, rows))
+        return StepResult(sampled, self.sampler(logits, rows), prompt_lps)
+
+    def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor):
+        """Logprobs of prompt tokens 1..P-1 computed in this step, for requests that asked (``prompt_logprobs=k``).
+
+        Row ``p`` of the chunk (position ``p``) predicts prompt token ``p + 1``. Positions already reported (a
+        recompute after preemption) are skipped via ``request.num_prompt_logprobs``.
+        """
+        out: dict[str, list[TokenLogprobs]] = {}
+        row = 0
+        for e in entries:
+            req, k = e.request, e.request.params.prompt_logprobs
+            start, end = req.num_computed_tokens, req.num_computed_tokens + e.num_new_tokens
+            first = max(start, req.num_prompt_logprobs)
+            last = min(end, req.num_prompt_tokens - 1)        # the last prompt position predicts an output token
+            if k is not None and req.index == 0 and first < last:
+                lps: list[TokenLogprobs] = []
+                for a in range(first, last, PROMPT_LOGPROBS_CHUNK_ROWS):
+                    b = min(a + PROMPT_LOGPROBS_CHUNK_ROWS, last)
+                    logits = self.model.compute_logits(hidden[row + a - start:row + b - start])
+                    lps.extend(compute_logprobs(logits, req.token_ids[a + 1:b + 1], [k] * (b - a)))
+                req.num_prompt_logprobs = last
+                out[req.request_id] = lps
+            row += e.num_new_tokens
+        return out or None

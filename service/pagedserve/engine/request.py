@@ -52,6 +52,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks (kept across preemption)
     num_registered_blocks: int = 0          # leading blocks of `blocks` already hashed into the prefix cache
     fork_parent: "Request | None" = None    # n > 1: the completion whose prompt blocks this one shares
+    num_prompt_logprobs: int = 0            # prompt positions whose logprobs were already computed
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     num_preemptions: int = 0

@@ -3,6 +3,13 @@
 Field names, defaults and ranges follow ``protos/pagedserve/v1/inference.proto`` and API.md (vLLM / OpenAI
 semantics). Every violation raises :class:`pagedserve.errors.InvalidInputError` with ``field="sampling.<name>"``.
 Checks that need the model (vocabulary size, the server's logprobs cap) live in :meth:`validate_for_model`.
+
+Resource limits: a request's cost must stay bounded whatever it asks for, so the fields that multiply work per
+step have documented caps (below), each rejected past its cap with ``InvalidInputError`` naming the field
+(INVALID_ARGUMENT). The other bounds live where the quantity is known: ``max_tokens`` and the prompt length by
+``max_model_len`` (``LLMEngine.add_request``), ``logprobs`` / ``prompt_logprobs`` k by the server's
+``EngineConfig.max_logprobs`` (:meth:`SamplingParams.validate_for_model`), the whole request's size by the server's
+``max_receive_message_bytes`` (gRPC answers RESOURCE_EXHAUSTED before any handler runs).
 """
 from __future__ import annotations
 
@@ -17,6 +24,17 @@ from pagedserve.errors import InvalidInputError
 GREEDY_TEMPERATURE_EPS = 1e-5
 _MAX_SEED = 2**64 - 1  # proto uint64
 _PENALTY_RANGE = (-2.0, 2.0)
+MAX_N = 64
+"""Most completions one request may ask for (``n``): each holds its own decode slot and output tokens."""
+MAX_STOP_STRINGS = 16
+"""Most stop strings per request (``stop``): every new token is matched against each of them."""
+MAX_STOP_STRING_CHARS = 256
+"""Longest stop string, in characters: up to this many characters of output can be held back while a match is
+still possible, and matching costs grow with it."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``stop_token_ids`` per request (also masked for ``min_tokens`` steps)."""
+MAX_LOGIT_BIAS_ENTRIES = 1024
+"""Most ``logit_bias`` entries per request (each is one scattered add per step)."""
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -51,7 +69,8 @@ class SamplingParams:
     (``logit_bias`` becomes ``((token_id, bias), ...)`` sorted by token id), so instances are hashable.
 
     Raises:
-        InvalidInputError: a value out of range, NaN or infinite; ``field`` is ``"sampling.<name>"``.
+        InvalidInputError: a value out of range, NaN or infinite, or past a resource limit (``MAX_N``,
+            ``MAX_STOP_STRINGS``, ...); ``field`` is ``"sampling.<name>"``.
     """
 
     max_tokens: int | None = None        # new tokens per completion, >= 1; None: the room left in max_model_len
@@ -64,15 +83,15 @@ class SamplingParams:
     presence_penalty: float = 0.0        # OpenAI: subtracted once from each token already in the output; [-2, 2]
     frequency_penalty: float = 0.0       # OpenAI: subtracted per occurrence in the output; [-2, 2]
     repetition_penalty: float = 1.0      # CTRL / HF, over prompt + output tokens; > 0; 1 is off
-    stop: tuple[str, ...] = ()           # stop strings, non-empty; the completion ends before the first match
-    stop_token_ids: tuple[int, ...] = ()  # token ids that end the completion
+    stop: tuple[str, ...] = ()           # <= MAX_STOP_STRINGS non-empty strings of <= MAX_STOP_STRING_CHARS
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end the completion; <= MAX_STOP_TOKEN_IDS
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     ignore_eos: bool = False             # EOS is an ordinary token: it neither ends the completion nor is masked
-    n: int = 1                           # completions for this prompt, >= 1
+    n: int = 1                           # completions for this prompt, in [1, MAX_N]
     logprobs: int | None = None          # k >= 0: each new token's logprob, rank and the top-k alternatives
     prompt_logprobs: int | None = None   # k >= 0: the same for each prompt token after the first
     skip_special_tokens: bool = True     # leave special tokens out of the text
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by token id
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id; <= 1024
     truncate_prompt_tokens: int | None = None  # >= 1: keep only the last k prompt tokens
 
     def __post_init__(self) -> None:
@@ -100,19 +119,26 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"must be a bool, got {getattr(self, name)!r}")
-        _check_int("n", self.n, lo=1)
+        _check_int("n", self.n, lo=1, hi=MAX_N)
         _check_int("logprobs", self.logprobs, lo=0, optional=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, optional=True)
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1, optional=True)
 
     def _normalize_sequences(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            _fail("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str):
                 _fail("stop", f"must be strings, got {s!r}")
             if not s:
                 _fail("stop", "stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                _fail("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
         stop_token_ids = tuple(self.stop_token_ids)
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, "
+                  f"got {len(stop_token_ids)}")
         for t in stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
         object.__setattr__(self, "stop", stop)
@@ -160,6 +186,8 @@ def _normalize_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
         pairs = [tuple(p) for p in items]
     except TypeError:
         _fail("logit_bias", f"must map token ids to biases, got {value!r}")
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        _fail("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed, got {len(pairs)}")
     for pair in pairs:
         if len(pair) != 2:
             _fail("logit_bias", f"entries must be (token_id, bias), got {pair!r}")

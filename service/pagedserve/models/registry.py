@@ -35,7 +35,10 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
         model = MODEL_REGISTRY[arch](config)
     model = model.to_empty(device="cpu").to(dtype)
     model.reset_rotary_cache()  # meta-device buffers hold no data; the table stays fp32 whatever the dtype
-    model.load_weights(source.iter_weights(config, dtype))
+    from tqdm.auto import tqdm
+
+    weights = tqdm(source.iter_weights(config, dtype), desc="loading weights", unit="tensor", disable=None)
+    model.load_weights(weights)
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model

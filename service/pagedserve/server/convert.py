@@ -7,14 +7,14 @@ from pagedserve_client.v1 import inference_pb2 as pb
 
 from ..engine.llm_engine import CompletionDelta
 from ..engine.sampling_params import SamplingParams
-from ..errors import InvalidInputError, UnimplementedFieldError
+from ..errors import InvalidInputError
 
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT}
 _OPTIONAL_SCALARS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "include_stop_str_in_output",
-                     "ignore_eos", "n", "logprobs", "skip_special_tokens", "truncate_prompt_tokens")
-UNIMPLEMENTED_SAMPLING = ("prompt_logprobs",)
+                     "ignore_eos", "n", "logprobs", "prompt_logprobs", "skip_special_tokens",
+                     "truncate_prompt_tokens")
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -22,11 +22,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
     Raises:
         InvalidInputError: a value out of range (field ``sampling.<name>``).
-        UnimplementedFieldError: a field this build does not implement.
     """
-    for name in UNIMPLEMENTED_SAMPLING:
-        if msg.HasField(name):
-            raise UnimplementedFieldError("is not implemented yet", f"sampling.{name}")
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if name in kwargs:
@@ -89,6 +85,8 @@ def delta_to_proto(d: CompletionDelta, tokenizer) -> pb.GenerateResponse:
                               finish_reason=_FINISH[d.finish_reason])
     if d.logprobs:
         msg.logprobs.extend(_logprob_entries(d.logprobs, tokenizer))
+    if d.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprob_entries(d.prompt_logprobs, tokenizer))
     if isinstance(d.matched_stop, str):
         msg.matched_stop_str = d.matched_stop
     elif d.matched_stop is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "pagedserve:"
@@ -64,6 +64,7 @@ class ServerMetrics:
     """The metric objects of one server. Thread-safe (prometheus_client's own locks)."""
 
     def __init__(self) -> None:
+        disable_created_metrics()  # no `*_created` series (process-wide; Prometheus does not need them)
         self.registry = CollectorRegistry()
         self.model_name = ""
         self.engine_stats: Callable[[], dict] | None = None

@@ -80,7 +80,8 @@ class KVCacheManager:
         if parent is not None and parent.blocks:
             shareable = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
             hits = parent.blocks[:min(max_blocks, shareable)]
-        elif self.enable_prefix_caching:
+        elif self.enable_prefix_caching and request.params.prompt_logprobs is None:
+            # (prompt logprobs need every prompt position computed, so such requests skip the cache, as in vLLM)
             hits = self._lookup_chain(request, max_blocks)
         else:
             return []
