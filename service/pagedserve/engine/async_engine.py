@@ -133,6 +133,8 @@ class AsyncEngine:
                 fn, args, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue  # the caller was cancelled before the command ran (its generate() queued an abort)
             try:
                 result = fn(*args)
             except Exception as exc:
