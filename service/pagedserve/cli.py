@@ -70,7 +70,11 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
                    help="tokens one prefill may take per step (0: the whole budget)")
     s.add_argument("--max-waiting-requests", type=int, default=1024)
     s.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 1 GiB on CPU)")
-    s.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks; overrides --kv-cache-memory")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA without --kv-cache-memory: fraction of GPU memory to use; the KV cache gets what a "
+                        "profiled forward pass at --max-num-batched-tokens leaves")
+    s.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks; overrides --kv-cache-memory and --gpu-memory-utilization")
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
 
@@ -142,7 +146,8 @@ def configs_from_args(args) -> tuple[ServerConfig, EngineConfig | None]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_waiting_requests=args.max_waiting_requests, kv_cache_memory_bytes=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching)
+        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching)
     return server, engine
 
 

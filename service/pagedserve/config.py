@@ -26,7 +26,9 @@ class EngineConfig:
         max_num_batched_tokens: new tokens per step at most.
         long_prefill_token_threshold: tokens one prefill may take in a step (0: the whole budget).
         max_waiting_requests: waiting requests at most before RESOURCE_EXHAUSTED (0: unbounded).
-        kv_cache_memory_bytes: bytes for K and V over all layers; None: 1 GiB on CPU.
+        kv_cache_memory_bytes: bytes for K and V over all layers; None: 1 GiB on CPU, and on CUDA what
+            ``gpu_memory_utilization`` leaves after a profiled forward pass.
+        gpu_memory_utilization: fraction of the GPU's memory this process may use (weights, activations, KV cache).
         num_kv_blocks: overrides the memory sizing when set.
         enable_prefix_caching: reuse cached full KV blocks across requests.
         max_logprobs: largest logprobs / prompt_logprobs k accepted.
@@ -44,6 +46,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int = 1024
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
@@ -63,6 +66,7 @@ class EngineConfig:
         _check(self.max_waiting_requests >= 0, "max_waiting_requests", "must be >= 0")
         _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
                "must be > 0")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(0 <= self.max_logprobs <= 1024, "max_logprobs", "must be in [0, 1024]")
 
