@@ -1,6 +1,7 @@
 """KV cache manager: ref counts, LRU free queue, prefix-cache chain hashing, lazy eviction, accounting."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagedserve.engine.kv_cache.block_pool import BlockPool
@@ -104,10 +105,11 @@ def test_hash_collision_never_serves_wrong_kv():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "append", "free", "preempt"]),
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "append", "fork", "free", "preempt"]),
                           st.integers(0, 5), st.integers(1, 40), st.integers(0, 2)), max_size=60))
-def test_random_operations_keep_invariants(ops):
-    kv = KVCacheManager(num_blocks=12, block_size=4)
+@pytest.mark.parametrize("caching", [True, False])
+def test_random_operations_keep_invariants(caching, ops):
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=caching)
     live: list[Request] = []
     counter = 0
     for op, idx, n, prefix in ops:
@@ -125,16 +127,26 @@ def test_random_operations_keep_invariants(ops):
                 r.append_output_token(7)
                 if kv.allocate_slots(r, 1):
                     r.num_computed_tokens += 1
+            elif op == "fork":  # n > 1: a sibling shares r's full prompt blocks, computes the rest privately
+                counter += 1
+                child = make_request(f"r{counter}", r.prompt_token_ids)
+                child.fork_parent = r
+                hits = kv.find_cached_prefix(child)
+                assert all(b in r.blocks for b in hits)
+                if kv.allocate_slots(child, child.num_tokens - len(hits) * 4, hits):
+                    child.num_computed_tokens = child.num_tokens
+                    live.append(child)
             else:  # free and preempt both release every block; preempt keeps the hashes for the recompute
                 kv.free(r)
                 live.remove(r)
                 r.num_computed_tokens = 0
         check_invariants(kv, live)
-        # Nothing shared is written: a block held twice must be full and cached.
+        # Nothing shared is written: a block held twice lies wholly inside every holder's computed tokens.
         for r in live:
-            for b in r.blocks:
+            for i, b in enumerate(r.blocks):
                 if b.ref_cnt > 1:
-                    assert b.block_hash is not None and len(b.token_ids) == 4
+                    assert (i + 1) * 4 <= r.num_computed_tokens
+                    assert not caching or (b.block_hash is not None and len(b.token_ids) == 4)
     for r in live:
         kv.free(r)
     assert kv.num_free_blocks == kv.num_blocks
