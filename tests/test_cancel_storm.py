@@ -83,3 +83,11 @@ def test_cancel_storm_frees_everything(small_server):
                                   timeout=120))
     assert sum(len(m.token_ids) for m in msgs) == 4
     assert engine.stats()["num_preemptions"] == preemptions
+
+
+def test_embed_without_embedding_model_is_failed_precondition(small_server):
+    with grpc.insecure_channel(small_server.target) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(pb.EmbedRequest(inputs=["hello"]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
