@@ -1,47 +1,14 @@
 """Shared fixtures: the embedded models' paths, an in-process gRPC server on port 0, HF oracles."""
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-
-class ServerThread:
-    """Runs :class:`pagedserve.server.app.App` on its own event loop in a daemon thread."""
-
-    def __init__(self, server_config, engine_config):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
-        self.thread.start()
-        self.app, self.port = self.run(self._start(server_config, engine_config))
-
-    async def _start(self, server_config, engine_config):
-        from pagedserve.server.app import create_server
-
-        app, port = await create_server(server_config, engine_config)
-        await app.load_models()
-        return app, port
-
-    def run(self, coro, timeout: float = 600):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def engine(self):
-        return self.app.state.engine.engine
-
-    def stop(self) -> None:
-        self.run(self.app.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+from support import ServerThread  # noqa: E402,F401  (tests/support.py)
 
 
 @pytest.fixture(scope="session")
@@ -112,16 +79,3 @@ def make_engine(llm_parts):
         return engine
 
     return make
-
-
-def run_to_completion(engine, on_step=None) -> dict:
-    """Step ``engine`` until idle; returns {request_id: {index: (token_ids, finish_reason, text)}}."""
-    out: dict = {}
-    while engine.has_unfinished():
-        deltas = engine.step()
-        if on_step is not None:
-            on_step(engine, deltas)
-        for d in deltas:
-            ids, reason, text = out.setdefault(d.request_id, {}).get(d.index, ([], None, ""))
-            out[d.request_id][d.index] = (ids + d.token_ids, d.finish_reason or reason, text + d.text)
-    return out

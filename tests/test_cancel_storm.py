@@ -11,7 +11,7 @@ import pytest
 from pagedserve_client import pb
 from pagedserve_client.v1 import inference_pb2_grpc
 
-from conftest import ServerThread
+from support import ServerThread
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 16
 

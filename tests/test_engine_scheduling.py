@@ -6,7 +6,7 @@ import random
 
 from pagedserve.engine.sampling_params import SamplingParams
 
-from conftest import run_to_completion
+from support import run_to_completion
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
