@@ -44,9 +44,49 @@ async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception, method:
     await context.abort(code, str(exc))
 
 
-def _rewrap(handler: grpc.RpcMethodHandler, wrap_unary, wrap_stream) -> grpc.RpcMethodHandler:
-    """The same handler with its behaviour wrapped: wrap_unary for unary responses, wrap_stream for streams."""
-    args = (handler.request_deserializer, handler.response_serializer)
+class MalformedRequest:
+    """Stands in for a request message that did not parse (bad wire bytes, invalid UTF-8 in a string field), so the
+    handler can answer INVALID_ARGUMENT instead of gRPC's INTERNAL "Exception deserializing request"."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def raise_invalid(self):
+        raise errors.InvalidInputError(f"the request message does not parse: {self.error}", "request")
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf DecodeError and friends
+            return MalformedRequest(exc)
+    return deserialize
+
+
+async def _checked_stream(requests):
+    async for request in requests:
+        if isinstance(request, MalformedRequest):
+            request.raise_invalid()
+        yield request
+
+
+def _check_request(request):
+    """A unary request is checked here; a request stream is wrapped so each message is checked as it arrives."""
+    if isinstance(request, MalformedRequest):
+        request.raise_invalid()
+    return request if hasattr(request, "DESCRIPTOR") else _checked_stream(request)
+
+
+def _rewrap(handler: grpc.RpcMethodHandler, wrap_unary, wrap_stream, deserializer=None) -> grpc.RpcMethodHandler:
+    """The same handler with its behaviour wrapped: wrap_unary for unary responses, wrap_stream for streams
+    (and its request deserializer replaced when ``deserializer`` is given)."""
+    args = (deserializer or handler.request_deserializer, handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), *args)
     if handler.unary_stream:
@@ -65,13 +105,14 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        return _rewrap(handler, lambda fn: self._wrap_unary(fn, method), lambda fn: self._wrap_stream(fn, method))
+        return _rewrap(handler, lambda fn: self._wrap_unary(fn, method), lambda fn: self._wrap_stream(fn, method),
+                       _tolerant(handler.request_deserializer))
 
     @staticmethod
     def _wrap_unary(fn, method):
         async def wrapper(request, context):
             try:
-                return await fn(request, context)
+                return await fn(_check_request(request), context)
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
@@ -82,7 +123,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(fn, method):
         async def wrapper(request, context):
             try:
-                async for item in fn(request, context):
+                async for item in fn(_check_request(request), context):
                     yield item
             except grpc.aio.AbortError:
                 raise
