@@ -5,17 +5,18 @@ the KV blocks free at the end.
     .venv/bin/python bench/load.py                      # 200 streams for 60 s against a fresh `pagedserve serve`
     .venv/bin/python bench/load.py --target 127.0.0.1:50051 --server-pid PID   # a server already running
 
-Each of the ``--concurrency`` workers loops until ``--duration-s`` is up, one stream at a time. A request has a
+Each of the ``--concurrency`` workers runs one stream after another until ``--duration-s`` is up. A request has a
 prompt of ``4..--max-prompt-tokens`` random non-special token ids (a quarter of them start with one of four shared
 64-token prefixes, so the prefix cache is used and evicted), ``max_tokens`` in ``1..--max-new-tokens``, greedy or
 sampled, EOS ignored for half of them. Then one of: read to the end (70%), cancel after a random number of
 messages (15%), cancel after a random delay (10%), or a deadline of a few milliseconds (5%).
 
-Expected outcomes are OK (with exactly ``max_tokens`` tokens when EOS is ignored), CANCELLED for our cancels and
-DEADLINE_EXCEEDED for our deadlines; anything else counts as an error under its status code (``WRONG_LENGTH``: OK
-with the wrong number of tokens). At the end the script waits for the engine to go idle and reads
-GetModelInfo's ``kv_cache``. RSS is the server process's ``VmRSS`` sampled every 0.25 s (``VmHWM`` for the peak);
-"after warm-up" is the first sample past a quarter of the run. Exit status 1 when there were errors or blocks
+When the time is up, the streams still open are cancelled (``CANCELLED_AT_END``). Expected outcomes are OK (with
+exactly ``max_tokens`` tokens when EOS is ignored), CANCELLED for our cancels and DEADLINE_EXCEEDED for our
+deadlines; anything else counts as an error under its status code (``WRONG_LENGTH``: OK with the wrong number of
+tokens). At the end the script waits for the engine to go idle and reads GetModelInfo's ``kv_cache``. RSS is the server process's ``VmRSS`` sampled every 0.25 s (peak: the largest sample;
+``VmHWM``, the peak since the process started, model loading included, is printed too); "after warm-up" is the
+first sample past a quarter of the run. Exit status 1 when there were errors or blocks
 were still held.
 """
 from __future__ import annotations
@@ -63,7 +64,8 @@ class LoadReport:
     rss_start_mib: float = 0.0
     rss_after_warmup_mib: float = 0.0
     rss_end_mib: float = 0.0
-    rss_peak_mib: float = 0.0
+    rss_peak_mib: float = 0.0                               # largest sample during the run
+    rss_hwm_mib: float = 0.0                                # VmHWM: the process's peak since it started
     blocks_free: int = 0
     blocks_total: int = 0
 
@@ -77,7 +79,8 @@ class LoadReport:
                 f"errors {dict(sorted(self.errors.items())) or 0}  output tokens {self.output_tokens}  "
                 f"wall {self.wall_s:.1f} s\nRSS MiB: start {self.rss_start_mib:.0f}  after warm-up "
                 f"{self.rss_after_warmup_mib:.0f}  end {self.rss_end_mib:.0f}  peak {self.rss_peak_mib:.0f}  "
-                f"growth {self.rss_growth_mib:+.0f}\nKV blocks free at the end: {self.blocks_free}/{self.blocks_total}")
+                f"growth {self.rss_growth_mib:+.0f}  (VmHWM since start {self.rss_hwm_mib:.0f})\n"
+                f"KV blocks free at the end: {self.blocks_free}/{self.blocks_total}")
 
 
 def read_rss_mib(pid: int) -> tuple[float, float]:
@@ -102,14 +105,22 @@ def draw_request(rng: random.Random, cfg: LoadConfig, prefixes: list[list[int]])
     return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling=sampling)
 
 
-async def one_stream(stub, req: pb.GenerateRequest, mode: str, rng: random.Random) -> tuple[str, int]:
-    """Run one stream in ``mode``; returns (outcome name, tokens received)."""
+async def one_stream(stub, req: pb.GenerateRequest, mode: str, rng: random.Random,
+                     end: float) -> tuple[str, int]:
+    """Run one stream in ``mode``, cancelling it at ``end`` (monotonic s) if still open; returns (outcome name,
+    tokens received). The outcome is ``CANCELLED_AT_END`` for a stream the end of the run cut off."""
+    loop = asyncio.get_running_loop()
     call = stub.Generate(req, timeout=rng.uniform(0.002, 0.05) if mode == "deadline" else 600)
     tokens, messages = 0, 0
     stop_after = rng.randint(1, 8)
-    canceller = None
-    if mode == "cancel_after_delay":
-        canceller = asyncio.get_running_loop().call_later(rng.uniform(0.0, 2.0), call.cancel)
+    delay = rng.uniform(0.0, 2.0) if mode == "cancel_after_delay" else None
+    cut = [False]
+
+    def cut_off():
+        cut[0] = call.cancel()
+    cancellers = [loop.call_later(max(0.0, end - time.monotonic()), cut_off)]
+    if delay is not None:
+        cancellers.append(loop.call_later(delay, call.cancel))
     try:
         async for msg in call:
             tokens += len(msg.token_ids)
@@ -123,9 +134,11 @@ async def one_stream(stub, req: pb.GenerateRequest, mode: str, rng: random.Rando
         if asyncio.current_task().cancelling():
             raise
     finally:
-        if canceller is not None:
+        for canceller in cancellers:
             canceller.cancel()
     code = (await call.code()).name
+    if cut[0] and code == "CANCELLED":
+        return "CANCELLED_AT_END", tokens
     if code == "OK" and req.sampling.ignore_eos and tokens != req.sampling.max_tokens:
         code = "WRONG_LENGTH"
     return code, tokens
@@ -138,10 +151,10 @@ async def _worker(stub, rng: random.Random, cfg: LoadConfig, deadline: float, pr
         req = draw_request(rng, cfg, prefixes)
         mode = rng.choices(names, weights)[0]
         report.requests += 1
-        code, tokens = await one_stream(stub, req, mode, rng)
+        code, tokens = await one_stream(stub, req, mode, rng, deadline)
         report.output_tokens += tokens
         outcomes[code] += 1
-        if code not in EXPECTED[mode]:
+        if code not in EXPECTED[mode] and code != "CANCELLED_AT_END":
             report.errors[code] = report.errors.get(code, 0) + 1
 
 
@@ -182,7 +195,7 @@ async def run_load(target: str, cfg: LoadConfig, server_pid: int) -> LoadReport:
     report.blocks_free, report.blocks_total = stats.num_blocks_free, stats.num_blocks_total
     warm = next((s for s in samples if s[0] >= start + cfg.duration_s / 4), samples[-1])
     report.rss_start_mib, report.rss_after_warmup_mib, report.rss_end_mib = samples[0][1], warm[1], samples[-1][1]
-    report.rss_peak_mib = max(s[2] for s in samples)
+    report.rss_peak_mib, report.rss_hwm_mib = max(s[1] for s in samples), samples[-1][2]
     return report
 
 

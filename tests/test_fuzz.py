@@ -18,6 +18,7 @@ import math
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,7 +30,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve.engine import sampling_params as sp
+from pagedserve.errors import InvalidInputError
 from pagedserve_client import pb
+from pagedserve_client.v1 import inference_pb2_grpc
 
 SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 U32, U64, I32 = 2**32 - 1, 2**64 - 1, 2**31 - 1
@@ -102,7 +105,9 @@ class Fuzzer:
     async def _call(self, rpc: str, raw, read_limit: int | None) -> Outcome:
         kind, response = RPCS[rpc]
         method = getattr(self.channel, kind)(SERVICE + rpc, response_deserializer=response.FromString)
-        call = method(iter(raw) if kind == "stream_stream" else raw, timeout=CALL_TIMEOUT_S)
+        if kind == "stream_stream":
+            return await self._lock_step(method, raw)
+        call = method(raw, timeout=CALL_TIMEOUT_S)
         messages, cancelled = [], False
         try:
             if kind == "unary_unary":
@@ -110,12 +115,32 @@ class Fuzzer:
             else:
                 async for msg in call:
                     messages.append(msg)
-                    if read_limit is not None and len(messages) >= read_limit:
-                        cancelled = call.cancel()
-                        break
+                    if read_limit is not None and len(messages) >= read_limit and not cancelled:
+                        cancelled = call.cancel()   # False: the call had already ended; read the rest
+                        if cancelled:
+                            break
         except grpc.aio.AioRpcError:
             pass
         return Outcome((await call.code()).name, await call.details() or "", messages, cancelled)
+
+    @staticmethod
+    async def _lock_step(method, raws: list[bytes]) -> Outcome:
+        """A bidi stream that sends each request only after the previous answer: a server that ends the call on
+        an error is then never written to afterwards (a client still writing then may read grpc's own INTERNAL
+        "Internal error from Core" instead of the server's status)."""
+        call, messages = method(timeout=CALL_TIMEOUT_S), []
+        try:
+            for raw in raws:
+                await call.write(raw)
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    break
+                messages.append(msg)
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF, "an answer nobody asked for"
+        except grpc.aio.AioRpcError:
+            pass
+        return Outcome((await call.code()).name, await call.details() or "", messages)
 
     def send(self, rpc: str, raw, check, request, read_limit: int | None = None) -> None:
         """Call ``rpc`` with serialized ``raw`` bytes (a list for EmbedStream); ``check(outcome)`` raises on a bad
@@ -228,7 +253,7 @@ def texts(max_size: int = 24, min_size: int = 0):
     return st.text(st.characters(codec="utf-8"), min_size=min_size, max_size=max_size)
 
 
-BINARYISH = st.binary(max_size=32).map(lambda b: b.decode("latin-1"))   # NULs, control and high-Latin-1 chars
+BINARYISH = st.binary(max_size=12).map(lambda b: b.decode("latin-1"))   # NULs, control and high-Latin-1 chars
 
 
 def floats32(*special: float):
@@ -270,9 +295,9 @@ def any_sampling(limits: Limits):
 
 def valid_sampling(limits: Limits):
     """Only in-range values, extremes included (huge temperatures and penalties, subnormals, huge top_k ...);
-    max_tokens always 1..3 so each request stays cheap."""
+    max_tokens 1..2 and n 1..2 so each request stays cheap."""
     V, K = limits.vocab_size, limits.max_logprobs
-    return st.fixed_dictionaries({"max_tokens": st.integers(1, 3)}, optional={
+    return st.fixed_dictionaries({"max_tokens": st.integers(1, 2)}, optional={
         "min_tokens": st.integers(0, 1),
         "temperature": st.one_of(st.floats(0, FLT_MAX, width=32), st.sampled_from([0.0, 1e-6, 1e-5])),
         "top_p": st.floats(0, 1, exclude_min=True, width=32),
@@ -285,7 +310,7 @@ def valid_sampling(limits: Limits):
         "stop_token_ids": st.lists(st.integers(0, V - 1), max_size=8),
         "include_stop_str_in_output": st.booleans(), "ignore_eos": st.booleans(),
         "skip_special_tokens": st.booleans(),
-        "n": st.integers(1, 3),
+        "n": st.integers(1, 2),
         "logprobs": st.integers(0, K), "prompt_logprobs": st.integers(0, K),
         "logit_bias": st.dictionaries(st.integers(0, V - 1), st.floats(width=32, allow_nan=False,
                                                                       allow_infinity=False), max_size=4),
@@ -301,19 +326,21 @@ def inputs(limits: Limits, valid: bool):
     """("prompt", text) | ("ids", token ids) | ("messages", [(role, content)]) | None (no input)."""
     L = limits.max_model_len
     if valid:
-        return st.one_of(
-            st.tuples(st.just("prompt"), texts(48, 1)),
-            st.tuples(st.just("ids"), st.lists(st.integers(0, limits.vocab_size - 1), min_size=1, max_size=24)),
-            st.tuples(st.just("messages"), chat(st.sampled_from(["system", "user", "assistant"]), texts(24),
-                                                2, 1)))
+        prompt = st.tuples(st.just("prompt"), texts(8, 1))
+        ids = st.tuples(st.just("ids"), st.lists(st.integers(0, limits.vocab_size - 1), min_size=1, max_size=8))
+        # A chat starts with its own short system message: the template's default one is ~30 tokens.
+        messages = st.tuples(st.just("messages"), st.builds(lambda system, rest: [("system", system)] + rest,
+                                                            texts(8), chat(st.sampled_from(["user", "assistant"]),
+                                                                           texts(8), 1)))
+        return st.one_of(prompt, ids, prompt, ids, messages)   # short prompts: prefill is the main cost
     too_long = st.integers(1, 3).map(lambda k: "7" * (k * L))   # one token per digit: past max_model_len
     return st.one_of(
         st.none(),
-        st.tuples(st.just("prompt"), st.one_of(texts(48), BINARYISH, too_long)),
-        st.tuples(st.just("ids"), st.one_of(st.lists(any_token_id(limits), max_size=24),
+        st.tuples(st.just("prompt"), st.one_of(texts(12), BINARYISH, too_long)),
+        st.tuples(st.just("ids"), st.one_of(st.lists(any_token_id(limits), max_size=8),
                                             st.integers(L, 2 * L).map(lambda k: [7] * k))),
         st.tuples(st.just("messages"), chat(st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]),
-                                                      texts(8)), st.one_of(texts(24), BINARYISH))))
+                                                      texts(6)), st.one_of(texts(8), BINARYISH), 1)))
 
 
 def build_generate(request_id, input, sampling, priority, cache_salt) -> pb.GenerateRequest:
@@ -352,7 +379,7 @@ def embed_requests(limits: Limits):
 
     maybe_bool = st.one_of(st.none(), st.booleans())
     return st.builds(build, inputs=st.one_of(st.lists(st.one_of(texts(40), BINARYISH), max_size=4),
-                                             st.just(["a"] * 257), st.just(["7" * 2000])),
+                                             st.just(["a"] * 129), st.just(["7" * 2000])),
                      normalize=maybe_bool, truncate=maybe_bool,
                      dimensions=st.one_of(st.none(), st.sampled_from([0, 1, 2, D - 1, D, D + 1, U32])),
                      request_id=st.one_of(st.just(""), texts(12)))
@@ -407,18 +434,167 @@ def check_malformed(out: Outcome) -> None:
     assert out.code == "INVALID_ARGUMENT", f"a message that does not parse got {out.code}: {out.details}"
 
 
+# ------------------------------------------------------------------------------- limits and malformed messages
+
+def _unary(channel, rpc: str, response):
+    return channel.unary_unary(SERVICE + rpc, response_deserializer=response.FromString)
+
+
+def _generate(channel, req: pb.GenerateRequest, first_only: bool = False) -> tuple[str, str]:
+    """(status name, details) of a Generate call; ``first_only`` cancels it after the first message."""
+    call = channel.unary_stream(SERVICE + "Generate", response_deserializer=pb.GenerateResponse.FromString)(
+        req.SerializeToString(), timeout=120)
+    try:
+        for _ in call:
+            if first_only:
+                call.cancel()
+                return "OK", ""
+    except grpc.RpcError:
+        pass
+    return call.code().name, call.details() or ""
+
+
+def limit_cases(max_logprobs: int, max_model_len: int) -> list[tuple[str, dict, dict]]:
+    """(field, sampling at the limit, sampling past it) for every documented per-request limit."""
+    return [
+        ("sampling.n", {"n": sp.MAX_N}, {"n": sp.MAX_N + 1}),
+        ("sampling.stop", {"stop": ["s"] * sp.MAX_STOP_STRINGS}, {"stop": ["s"] * (sp.MAX_STOP_STRINGS + 1)}),
+        ("sampling.stop", {"stop": ["s" * sp.MAX_STOP_STRING_CHARS]}, {"stop": ["s" * (sp.MAX_STOP_STRING_CHARS + 1)]}),
+        ("sampling.stop_token_ids", {"stop_token_ids": list(range(sp.MAX_STOP_TOKEN_IDS))},
+         {"stop_token_ids": list(range(sp.MAX_STOP_TOKEN_IDS + 1))}),
+        ("sampling.logit_bias", {"logit_bias": dict.fromkeys(range(sp.MAX_LOGIT_BIAS_ENTRIES), 0.5)},
+         {"logit_bias": dict.fromkeys(range(sp.MAX_LOGIT_BIAS_ENTRIES + 1), 0.5)}),
+        ("sampling.logprobs", {"logprobs": max_logprobs}, {"logprobs": max_logprobs + 1}),
+        ("sampling.prompt_logprobs", {"prompt_logprobs": max_logprobs}, {"prompt_logprobs": max_logprobs + 1}),
+        ("sampling.max_tokens", {"max_tokens": max_model_len - 2}, {"max_tokens": max_model_len - 1}),  # 2-token prompt
+    ]
+
+
+def test_resource_limits_are_enforced_with_invalid_argument(server):
+    """At each documented limit a request is served; one past it is INVALID_ARGUMENT naming the field. The prompt
+    is bounded by max_model_len, the whole message by max_receive_message_bytes (RESOURCE_EXHAUSTED from gRPC)."""
+    engine = server.engine
+    prompt = pb.TokenIds(ids=[1000, 1001])
+    with grpc.insecure_channel(server.target, options=[("grpc.max_send_message_length", -1)]) as channel:
+        for name, at_limit, past in limit_cases(engine.config.max_logprobs, engine.max_model_len):
+            ok = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**{"max_tokens": 1,
+                                                                                           **at_limit}))
+            assert _generate(channel, ok, first_only="max_tokens" in at_limit) == ("OK", ""), name
+            bad = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**{"max_tokens": 1,
+                                                                                            **past}))
+            code, details = _generate(channel, bad)
+            assert code == "INVALID_ARGUMENT" and details.startswith(name + ": "), (name, code, details)
+        code, details = _generate(channel, pb.GenerateRequest(prompt_token_ids=pb.TokenIds(
+            ids=[7] * engine.max_model_len), sampling=pb.SamplingParams(max_tokens=1)))
+        assert code == "INVALID_ARGUMENT" and details.startswith("prompt: "), details
+        too_big = "a" * (server.app.server_config.max_receive_message_bytes + 1)
+        code, details = _generate(channel, pb.GenerateRequest(prompt=too_big))
+        assert code == "RESOURCE_EXHAUSTED" and "Received message larger than max" in details, (code, details)
+    assert_idle(server)
+
+
+@pytest.mark.parametrize("field, kwargs", [(f, past) for f, _, past in limit_cases(20, 100)[:5]])
+def test_sampling_params_limits(field, kwargs):
+    with pytest.raises(InvalidInputError) as err:
+        sp.SamplingParams(**kwargs)
+    assert err.value.field == field
+
+
+MALFORMED = [
+    ("Generate", _field(2, 2, b"\xff\xfe")),                                  # prompt: invalid UTF-8
+    ("Generate", _field(5, 2, _field(11, 2, b"\xc3"))),                        # sampling.stop: truncated character
+    ("Generate", b"\x12\x10ab"),                                              # prompt: length past the end
+    ("Tokenize", _field(1, 2, b"a\x80b")),                                     # text: invalid UTF-8
+    ("Embed", _field(1, 2, b"\xed\xa0\x80")),                                  # inputs: an encoded surrogate
+    ("EmbedStream", [_field(1, 2, b"ok"), _field(1, 2, b"\xff")]),            # the second request
+    ("Abort", _field(1, 2, b"\xc0\xaf")),                                     # request_ids: overlong encoding
+]
+
+
+@pytest.mark.parametrize("rpc, raw", MALFORMED, ids=[f"{r}-{i}" for i, (r, _) in enumerate(MALFORMED)])
+def test_malformed_messages_are_invalid_argument(fuzz, rpc, raw):
+    """Proto3 strings must be UTF-8, so the server cannot parse these: that is the client's error (the grpc
+    library's own answer to a request it cannot deserialize is UNKNOWN)."""
+    out = fuzz._run(fuzz._call(rpc, raw, None), CALL_TIMEOUT_S + 10)
+    assert out.code == "INVALID_ARGUMENT", f"{out.code}: {out.details}"
+
+
+def test_request_ids_like_a_completion_index_do_not_collide(server):
+    """n > 1 completions run as "<id>#<i>" inside the engine; a client's own "<id>#1" must stay separate."""
+    base = "collide-" + os.urandom(4).hex()
+    a = pb.GenerateRequest(request_id=base, prompt_token_ids=pb.TokenIds(ids=list(range(1000, 1010))),
+                           sampling=pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, n=2))
+    b = pb.GenerateRequest(request_id=base + "#1", prompt_token_ids=pb.TokenIds(ids=list(range(3000, 3005))),
+                           sampling=pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+
+    def run(reqs):
+        with concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool, grpc.insecure_channel(server.target) as ch:
+            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+            return list(pool.map(lambda r: _tokens_by_index(stub, r), reqs))
+    alone = run([a]) + run([b])
+    together = run([a, b])
+    assert together == alone
+    assert_idle(server)
+
+
+def _tokens_by_index(stub, req) -> tuple[str, dict]:
+    """(status, {index: (token ids, text)}) of one Generate call."""
+    out: dict = collections.defaultdict(lambda: ([], []))
+    try:
+        for msg in stub.Generate(req, timeout=120):
+            out[msg.index][0].extend(msg.token_ids)
+            out[msg.index][1].append(msg.text)
+    except grpc.RpcError as err:
+        return err.code().name + ": " + err.details(), {}
+    return "OK", {i: (ids, "".join(text)) for i, (ids, text) in out.items()}
+
+
+def test_a_huge_prompt_does_not_stall_other_calls(server):
+    """Tokenizing a multi-megabyte prompt takes seconds; it must not block the event loop that serves every
+    other call (here: health checks, answered in milliseconds when the loop is free)."""
+    prompt = "hello world " * 300_000          # 3.6 MB, 600 k tokens: rejected, but only once tokenized
+    with grpc.insecure_channel(server.target) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        health = health_pb2_grpc.HealthStub(channel)
+        health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        started = time.monotonic()
+        call = pool.submit(_generate, channel, pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+            max_tokens=1)))
+        worst = 0.0
+        while not call.done():
+            start = time.monotonic()
+            health.Check(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            worst = max(worst, time.monotonic() - start)
+            time.sleep(0.01)
+        took = time.monotonic() - started
+        assert call.result()[0] == "INVALID_ARGUMENT"
+    # Blocked, a health check waits about as long as the whole call (the tokenizing); served, milliseconds.
+    assert worst < max(0.2, took / 4), f"a health check waited {worst:.2f} s of the call's {took:.2f} s"
+
+
+def assert_idle(server, timeout_s: float = 30) -> None:
+    engine, front = server.engine, server.app.state.engine
+    wait_until(lambda: not engine.has_unfinished() and not front.num_live_requests and not engine.groups,
+               timeout_s, engine.stats)
+    stats = engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"], stats
+
+
 # -------------------------------------------------------------------------------------------------- the tests
 
 @pytest.fixture(scope="module")
 def fuzz(server):
     with grpc.insecure_channel(server.target) as channel:
-        info = channel.unary_unary(SERVICE + "GetModelInfo", request_serializer=pb.GetModelInfoRequest.SerializeToString,
-                                   response_deserializer=pb.GetModelInfoResponse.FromString)(pb.GetModelInfoRequest())
+        info = model_info(channel)
     limits = Limits(info.generation.vocab_size, info.generation.max_model_len, server.engine.config.max_logprobs,
                     info.embedding.embedding_dimension)
     f = Fuzzer(server.target, limits)
     yield f
     f.close()
+
+
+def model_info(channel) -> pb.GetModelInfoResponse:
+    return _unary(channel, "GetModelInfo", pb.GetModelInfoResponse)(
+        pb.GetModelInfoRequest().SerializeToString(), timeout=30)
 
 
 def send_generate(fuzz: Fuzzer, req: pb.GenerateRequest, raw: bytes | None = None) -> None:
@@ -441,14 +617,17 @@ def run_fuzz(fuzz: Fuzzer, examples: int, strategy, body) -> None:
 
 
 def test_fuzz_generate_any_values(fuzz):
-    run_fuzz(fuzz, 900, generate_requests(fuzz.limits, valid=False), lambda req: send_generate(fuzz, req))
+    run_fuzz(fuzz, 600, generate_requests(fuzz.limits, valid=False), lambda req: send_generate(fuzz, req))
 
 
 def test_fuzz_generate_extreme_valid_values_succeed(fuzz):
+    """In-range values only, however extreme: every request must be served (OK, never rejected)."""
     def body(req):
-        fuzz.send("Generate", req.SerializeToString(), lambda out: (check_generate(req, out, fuzz.limits),
-                                                                    _assert_ok(out)), req)
-    run_fuzz(fuzz, 250, generate_requests(fuzz.limits, valid=True), body)
+        def check(out):
+            _assert_ok(out)
+            check_generate(req, out, fuzz.limits)
+        fuzz.send("Generate", req.SerializeToString(), check, req)
+    run_fuzz(fuzz, 100, generate_requests(fuzz.limits, valid=True), body)
 
 
 def _assert_ok(out: Outcome) -> None:
@@ -465,13 +644,13 @@ def test_fuzz_generate_wire_bytes(fuzz):
             fuzz.send("Generate", raw, check_malformed, (raw, mutation))
             return
         send_generate(fuzz, parsed, raw)
-    run_fuzz(fuzz, 200, st.tuples(generate_requests(fuzz.limits, valid=True), MUTATIONS), body)
+    run_fuzz(fuzz, 120, st.tuples(generate_requests(fuzz.limits, valid=True), MUTATIONS), body)
 
 
 def test_fuzz_embed(fuzz):
     def body(req):
         fuzz.send("Embed", req.SerializeToString(), lambda out: check_embed(req, out, fuzz.limits), req)
-    run_fuzz(fuzz, 250, embed_requests(fuzz.limits), body)
+    run_fuzz(fuzz, 200, embed_requests(fuzz.limits), body)
 
 
 def test_fuzz_embed_stream(fuzz):
@@ -483,7 +662,7 @@ def test_fuzz_embed_stream(fuzz):
 
     def body(reqs):
         fuzz.send("EmbedStream", [r.SerializeToString() for r in reqs], lambda out: check(reqs, out), reqs)
-    run_fuzz(fuzz, 60, st.lists(embed_requests(fuzz.limits), max_size=3), body)
+    run_fuzz(fuzz, 40, st.lists(embed_requests(fuzz.limits), max_size=3), body)
 
 
 def test_fuzz_tokenize(fuzz):
@@ -502,7 +681,7 @@ def test_fuzz_tokenize(fuzz):
 
     maybe_bool = st.one_of(st.none(), st.booleans())
     strategy = st.builds(build, inputs(fuzz.limits, valid=False), maybe_bool, maybe_bool)
-    run_fuzz(fuzz, 150, strategy, lambda req: fuzz.send("Tokenize", req.SerializeToString(),
+    run_fuzz(fuzz, 350, strategy, lambda req: fuzz.send("Tokenize", req.SerializeToString(),
                                                         lambda out: check_tokenize(out, fuzz.limits), req))
 
 
@@ -517,7 +696,7 @@ def test_fuzz_detokenize_and_abort(fuzz):
         fuzz.send("Abort", abort.SerializeToString(), lambda out: _assert_ok(out), abort)
     strategy = st.tuples(st.lists(any_token_id(fuzz.limits), max_size=16), st.one_of(st.none(), st.booleans()),
                          st.lists(st.one_of(texts(12), BINARYISH), max_size=4))
-    run_fuzz(fuzz, 150, strategy, body)
+    run_fuzz(fuzz, 300, strategy, body)
 
 
 def test_after_fuzzing_the_server_is_serving_and_every_block_is_free(server, fuzz):
@@ -530,17 +709,14 @@ def test_after_fuzzing_the_server_is_serving_and_every_block_is_free(server, fuz
         for service in ("", "pagedserve.v1.InferenceService"):
             status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
             assert status == health_pb2.HealthCheckResponse.SERVING, service
-        kv = channel.unary_unary(SERVICE + "GetModelInfo", request_serializer=pb.GetModelInfoRequest.SerializeToString,
-                                 response_deserializer=pb.GetModelInfoResponse.FromString)(
-            pb.GetModelInfoRequest(), timeout=10).kv_cache
+        kv = model_info(channel).kv_cache
     assert kv.num_blocks_free == kv.num_blocks_total, kv
-    assert kv.num_requests_running == 0 and kv.num_requests_waiting == 0
+    assert kv.num_requests_running == 0 and kv.num_requests_waiting == 0 and front.dead is None
     print(f"\nfuzz: {sum(fuzz.codes.values())} calls, outcomes {dict(fuzz.codes)}, "
           f"blocks free {kv.num_blocks_free}/{kv.num_blocks_total}")
 
 
 def wait_until(predicate, timeout_s: float, describe=lambda: "") -> None:
-    import time
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"not idle after {timeout_s} s: {describe()}"

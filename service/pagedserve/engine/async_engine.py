@@ -83,8 +83,7 @@ class AsyncEngine:
                 delta = await stream.get()
                 if isinstance(delta, BaseException):
                     raise delta
-                if delta.error is not None:
-                    finished = True
+                if delta.error is not None:  # one completion failed: the finally aborts its siblings too
                     raise delta.error
                 if delta.finish_reason is not None:
                     remaining -= 1

@@ -85,8 +85,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_waiting_requests)
         self.groups: dict[str, RequestGroup] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._prompt_lps: dict[str, list[TokenLogprobs]] = {}  # prompt logprobs gathered across prefill chunks
+        # Keyed by the Request object: completion ids ("id#i") may coincide with another client's request id.
+        self._detok: dict[Request, IncrementalDetokenizer] = {}
+        self._prompt_lps: dict[Request, list[TokenLogprobs]] = {}  # prompt logprobs gathered across prefill chunks
         self._forking: list[RequestGroup] = []   # n > 1 groups whose other completions wait for the prompt
         self.num_steps = 0
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
@@ -129,7 +130,7 @@ class LLMEngine:
             gen = make_generator((params.seed + i) % 2 ** 64) if params.seed is not None else None
             req = Request(rid, ids, params, params.max_tokens or room, self.eos_token_ids, priority=priority,
                           cache_salt=cache_salt or None, generator=gen, parent_id=request_id, index=i)
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params, ids)
+            self._detok[req] = IncrementalDetokenizer(self.tokenizer, params, ids)
             children.append(req)
         group = RequestGroup(request_id, children)
         self.groups[request_id] = group
@@ -192,8 +193,8 @@ class LLMEngine:
 
     def _process(self, result: StepResult) -> list[CompletionDelta]:
         deltas = []
-        for rid, lps in (result.prompt_logprobs or {}).items():
-            self._prompt_lps.setdefault(rid, []).extend(lps)
+        for req, lps in (result.prompt_logprobs or {}).items():
+            self._prompt_lps.setdefault(req, []).extend(lps)
         if result.output is None:
             return deltas
         for i, entry in enumerate(result.sampled):
@@ -202,7 +203,7 @@ class LLMEngine:
                 continue
             delta = CompletionDelta(req.parent_id, req.index)
             if req.params.prompt_logprobs is not None and req.index == 0 and req.num_output_tokens == 0:
-                delta.prompt_logprobs = self._prompt_lps.pop(req.request_id, [])
+                delta.prompt_logprobs = self._prompt_lps.pop(req, [])
             try:
                 self._append_token(req, result.output.token_ids[i], result.output.logprobs[i], delta)
             except Exception as exc:  # one request's failure must not take the others down
@@ -225,7 +226,7 @@ class LLMEngine:
         elif can_stop and not params.ignore_eos and token in req.eos_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         if status is None or params.include_stop_str_in_output:
-            update = self._detok[req.request_id].add_tokens([token])
+            update = self._detok[req].add_tokens([token])
             delta.text = update.text
             if update.stop_str is not None and status is None:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, update.stop_str
@@ -237,8 +238,8 @@ class LLMEngine:
 
     def _finish_delta(self, req: Request, delta: CompletionDelta) -> CompletionDelta:
         """Fill the finish fields of ``delta`` (req already finished); usage when the whole group is done."""
-        self._prompt_lps.pop(req.request_id, None)
-        detok = self._detok.pop(req.request_id, None)
+        self._prompt_lps.pop(req, None)
+        detok = self._detok.pop(req, None)
         if detok is not None and not isinstance(req.stop_reason, str) and delta.error is None:
             delta.text += detok.flush()
             if detok.matched_stop is not None and req.stop_reason is None:  # the held-back tail completed a stop

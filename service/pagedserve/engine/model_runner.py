@@ -12,6 +12,7 @@ import torch
 
 from ..attention.base import AttentionBackend, AttentionMetadata
 from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, compute_logprobs
+from .request import Request
 from .scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -35,7 +36,7 @@ PROMPT_LOGPROBS_CHUNK_ROWS = 256  # logits rows materialized at once for prompt 
 class StepResult:
     sampled: list[ScheduledRequest]      # the scheduled entries that sampled, in the order of `output`'s rows
     output: SamplerOutput | None         # None when no row sampled (all prefill chunks)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None  # request id -> this step's prompt positions
+    prompt_logprobs: dict[Request, list[TokenLogprobs]] | None = None  # request -> this step's prompt positions
 
 
 class ModelRunner:
@@ -122,7 +123,7 @@ class ModelRunner:
         Row ``p`` of the chunk (position ``p``) predicts prompt token ``p + 1``. Positions already reported (a
         recompute after preemption) are skipped via ``request.num_prompt_logprobs``.
         """
-        out: dict[str, list[TokenLogprobs]] = {}
+        out: dict[Request, list[TokenLogprobs]] = {}
         row = 0
         for e in entries:
             req, k = e.request, e.request.params.prompt_logprobs
@@ -136,6 +137,6 @@ class ModelRunner:
                     logits = self.model.compute_logits(hidden[row + a - start:row + b - start])
                     lps.extend(compute_logprobs(logits, req.token_ids[a + 1:b + 1], [k] * (b - a)))
                 req.num_prompt_logprobs = last
-                out[req.request_id] = lps
+                out[req] = lps
             row += e.num_new_tokens
         return out or None

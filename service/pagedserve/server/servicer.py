@@ -48,7 +48,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             params = convert.sampling_from_proto(request.sampling)
             tokenizer = engine.engine.tokenizer
-            prompt_ids = convert.prompt_from_proto(request, tokenizer)
+            # Off the event loop: tokenizing a multi-megabyte prompt must not stall other calls (tokenizers
+            # releases the GIL).
+            prompt_ids = await asyncio.to_thread(convert.prompt_from_proto, request, tokenizer)
             log.info("generate_start", prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens, n=params.n)
             num_tokens = 0
             async for delta in engine.generate(request_id, prompt_ids, params, request.priority,
@@ -113,6 +115,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         tokenizer = self._llm().engine.tokenizer
+        return await asyncio.to_thread(self._tokenize, request, tokenizer)  # long texts must not stall the loop
+
+    @staticmethod
+    def _tokenize(request: pb.TokenizeRequest, tokenizer) -> pb.TokenizeResponse:
         which = request.WhichOneof("input")
         add_gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         if which == "messages":
