@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
+# One intra-op thread per torch user in the test process: the engine, embedder and oracle threads run at the same
+# time on a 2-core machine, and oversubscribed OpenMP threads spin (steps up to 10x slower).
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/throughput.py
