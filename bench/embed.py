@@ -74,16 +74,16 @@ async def _client(target: str, texts: list[str], call_size: int, start: asyncio.
     return out
 
 
-async def run_clients(target: str, texts: list[str], num_clients: int, call_size: int):
-    """Returns (vectors in text order, prompt tokens, wall seconds)."""
+async def run_clients(target: str, texts: list[str], num_clients: int, call_size: int, server_pid: int):
+    """Returns (vectors in text order, prompt tokens, wall seconds, server CPU seconds over that wall time)."""
     start = asyncio.Event()
     shares = [texts[c::num_clients] for c in range(num_clients)]
     tasks = [asyncio.ensure_future(_client(target, share, call_size, start)) for share in shares]
     await asyncio.sleep(1.0)                           # every client connected and warmed up
-    t0 = time.perf_counter()
+    cpu0, t0 = process_cpu_s(server_pid), time.perf_counter()
     start.set()
     results = await asyncio.gather(*tasks)
-    wall_s = time.perf_counter() - t0
+    wall_s, cpu_s = time.perf_counter() - t0, process_cpu_s(server_pid) - cpu0
     vectors: list = [None] * len(texts)
     tokens = 0
     for c, calls in enumerate(results):
@@ -91,15 +91,23 @@ async def run_clients(target: str, texts: list[str], num_clients: int, call_size
         tokens += sum(t for t, _ in calls)
         for j, v in enumerate(flat):
             vectors[c + j * num_clients] = v
-    return vectors, tokens, wall_s
+    return vectors, tokens, wall_s, cpu_s
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_ours(args, texts) -> dict:
     server = common.ServerProcess(args.threads, ["--no-generation-model", *args.server_arg])
     server.argv.remove("--no-embedding-model")
     with server:
-        vectors, tokens, wall_s = asyncio.run(run_clients(server.target, texts, args.clients, args.call_size))
-    return {"system": "ours", "texts": len(texts), "tokens": tokens, "wall_s": wall_s, "vectors": vectors}
+        vectors, tokens, wall_s, cpu_s = asyncio.run(run_clients(server.target, texts, args.clients,
+                                                                 args.call_size, server.proc.pid))
+    return {"system": "ours", "texts": len(texts), "tokens": tokens, "wall_s": wall_s, "cpu_s": cpu_s,
+            "vectors": vectors}
 
 
 def bench_st(args, texts) -> dict:
@@ -109,28 +117,33 @@ def bench_st(args, texts) -> dict:
 
     model = SentenceTransformer(embedded_embedding_path(), device="cpu")
     model.encode(texts[:64], batch_size=args.st_batch_size)
-    t0 = time.perf_counter()
+    cpu0, t0 = process_cpu_s(os.getpid()), time.perf_counter()
     vectors = model.encode(texts, batch_size=args.st_batch_size, normalize_embeddings=True)
-    wall_s = time.perf_counter() - t0
+    wall_s, cpu_s = time.perf_counter() - t0, process_cpu_s(os.getpid()) - cpu0
     tokens = sum(len(ids) for ids in model.tokenizer(texts, truncation=True, max_length=256)["input_ids"])
-    return {"system": "st", "texts": len(texts), "tokens": tokens, "wall_s": wall_s, "vectors": vectors.tolist()}
+    return {"system": "st", "texts": len(texts), "tokens": tokens, "wall_s": wall_s, "cpu_s": cpu_s,
+            "vectors": vectors.tolist()}
 
 
 def report(rows: list[dict]) -> dict:
     import numpy as np
 
-    print(f"{'system':<8}{'texts':>8}{'tokens':>9}{'wall s':>9}{'texts/s':>10}{'tokens/s':>11}")
+    print(f"{'system':<8}{'texts':>8}{'tokens':>9}{'wall s':>9}{'texts/s':>10}{'tokens/s':>11}{'cpu s':>8}"
+          f"{'texts/cpu-s':>13}")
     for r in rows:
         r["texts_per_s"], r["tokens_per_s"] = r["texts"] / r["wall_s"], r["tokens"] / r["wall_s"]
+        r["texts_per_cpu_s"] = r["texts"] / r["cpu_s"]
         print(f"{r['system']:<8}{r['texts']:>8}{r['tokens']:>9}{r['wall_s']:>9.2f}{r['texts_per_s']:>10.1f}"
-              f"{r['tokens_per_s']:>11.0f}")
+              f"{r['tokens_per_s']:>11.0f}{r['cpu_s']:>8.1f}{r['texts_per_cpu_s']:>13.1f}")
     summary = {}
     if len(rows) == 2:
         a, b = (np.array(r["vectors"], dtype=np.float64) for r in rows)
         cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
         summary = {"ratio_texts_per_s": rows[0]["texts_per_s"] / rows[1]["texts_per_s"],
+                   "ratio_texts_per_cpu_s": rows[0]["texts_per_cpu_s"] / rows[1]["texts_per_cpu_s"],
                    "min_cosine": float(cos.min()), "same_token_count": rows[0]["tokens"] == rows[1]["tokens"]}
-        print(f"ratio texts/s ours/st: {summary['ratio_texts_per_s']:.2f}   min cosine ours vs st: "
+        print(f"ratio texts/s ours/st: {summary['ratio_texts_per_s']:.2f}   texts per CPU-second ours/st: "
+              f"{summary['ratio_texts_per_cpu_s']:.2f}   min cosine ours vs st: "
               f"{summary['min_cosine']:.6f}   same token count: {summary['same_token_count']}")
     return summary
 

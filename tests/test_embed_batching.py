@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.embed_batcher import EmbedBatcher
+from pagedserve.engine.embed_batcher import EmbedBatcher, default_num_threads
 from pagedserve.engine.embedder import Embedder
 from pagedserve.errors import EngineUnavailableError, InvalidInputError
 
@@ -54,7 +54,7 @@ def embedder() -> Embedder:
 
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
-    return [sentence(i) for i in range(48)]
+    return [sentence(i) for i in range(30)]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ async def _start_held(batcher: EmbedBatcher, gated: GatedEmbedder) -> asyncio.Ta
 
 def test_concurrent_calls_share_batches_and_keep_their_order(embedder, texts, alone):
     batcher, gated = _held(embedder, budget=1024)
-    calls = [texts[k::6] for k in range(6)]          # 6 calls of 8 mixed-length texts each, interleaved lengths
+    calls = [texts[k::6] for k in range(6)]          # 6 calls of 5 mixed-length texts each, interleaved lengths
 
     async def main():
         first = await _start_held(batcher, gated)
@@ -239,6 +239,87 @@ def test_close_fails_waiting_calls(embedder):
     batcher.join(10)
 
 
+class LengthsOnly:
+    """A model-free stand-in: a "text" is its token count; records each micro-batch's lengths."""
+
+    dimension = 4
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def check_dimensions(self, dimensions):
+        pass
+
+    def tokenize(self, texts, truncate=False):
+        return [[7] * (int(t) if t.isdigit() else len(t.split())) for t in texts]
+
+    def encode_micro_batch(self, token_ids):
+        self.entered.set()
+        assert self.gate.wait(60)
+        self.batches.append([len(seq) for seq in token_ids])
+        return torch.tensor([[float(len(seq)), 0.0, 0.0, 0.0] for seq in token_ids])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_micro_batch_policy_on_random_lengths(seed):
+    import random
+
+    rng = random.Random(seed)
+    calls = [[str(rng.randint(1, 200)) for _ in range(rng.randint(1, 40))] for _ in range(12)]
+    stub = LengthsOnly()
+    batcher = EmbedBatcher(stub, 512, max_padding_fraction=0.3, small_batch_tokens=64)
+
+    async def main():
+        first = await _start_held(batcher, stub)
+        tasks = [asyncio.ensure_future(batcher.embed(c, normalize=False)) for c in calls]
+        while batcher.num_pending_inputs < sum(map(len, calls)):
+            await asyncio.sleep(0.01)
+        stub.gate.set()
+        await first
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        _close(batcher)
+    for c, result in zip(calls, results):                      # each call's own vectors, in its own order
+        assert result.vectors[:, 0].tolist() == [float(t) for t in c]
+        assert result.prompt_tokens == sum(int(t) for t in c)
+    stub.batches.pop(0)                                        # the call that held the worker
+    assert sorted(n for b in stub.batches for n in b) == sorted(int(t) for c in calls for t in c)
+    for b in stub.batches:
+        padded = len(b) * max(b)
+        assert len(b) == 1 or padded <= 512
+        assert padded <= 64 or padded - sum(b) <= 0.3 * padded
+    assert len(stub.batches) < sum(map(len, calls)) / 2        # batches are shared, not one input each
+
+
+def test_worker_threads_are_its_own(embedder):
+    class ThreadsSeen(GatedEmbedder):
+        def encode_micro_batch(self, token_ids):
+            self.batches.append(torch.get_num_threads())
+            return self.inner.encode_micro_batch(token_ids)
+
+    before = torch.get_num_threads()
+    seen = ThreadsSeen(embedder)
+    batcher = EmbedBatcher(seen, num_threads=1)
+    try:
+        asyncio.run(batcher.embed(["threads"]))
+    finally:
+        _close(batcher)
+    later: list[int] = []
+    fresh = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    fresh.start()
+    fresh.join()
+    assert seen.batches == [1] and torch.get_num_threads() == before and later == [before]
+    assert default_num_threads(False) is None and default_num_threads(True, "cuda") is None
+    assert default_num_threads(True) == max(1, before // 2)
+
+
 def test_bad_settings(embedder):
     with pytest.raises(ValueError, match="max_batch_tokens"):
         EmbedBatcher(embedder, 0)
+    with pytest.raises(ValueError, match="num_threads"):
+        EmbedBatcher(embedder, num_threads=0)

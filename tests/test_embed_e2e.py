@@ -151,6 +151,32 @@ def test_embed_stream_answers_each_request_in_place(client, alone):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_deadline_drops_the_calls_pending_inputs(server, client, alone):
+    batcher = server.app.state.embed_batcher
+    many = [f"{i} " + FILLERS[3] for i in range(3000)]          # minutes of work on 2 cores
+    seen, done = [0], False
+
+    def watch() -> None:                                       # the most inputs ever waiting in the pool
+        while not done:
+            seen[0] = max(seen[0], batcher.num_pending_inputs)
+            time.sleep(0.01)
+
+    watcher = concurrent.futures.ThreadPoolExecutor(1).submit(watch)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            client.embed(many, timeout=2.0)
+    finally:
+        done = True
+        watcher.result(10)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert seen[0] > 2000, "the call was cut before its inputs were queued"
+    deadline = time.monotonic() + 30
+    while batcher.num_pending_inputs:                          # the cancelled call's inputs leave the pool
+        assert time.monotonic() < deadline, f"{batcher.num_pending_inputs} inputs still pending"
+        time.sleep(0.05)
+    assert np.abs(vectors(client.embed([TEXTS[0]], timeout=30))[0] - alone[0]).max() < 1e-5
+
+
 async def _consume(stream, counts: list[int], i: int) -> None:
     async for response in stream:
         counts[i] += len(response.token_ids)
@@ -199,9 +225,9 @@ async def _generate_while_embedding(target: str) -> None:
         try:
             await asyncio.sleep(0.5)
             calls_before = done_calls[0]
-            results = await asyncio.gather(*(client.generate_text(f"Count to {i}:", max_tokens=24, temperature=0.0,
+            results = await asyncio.gather(*(client.generate_text(f"Count to {i}:", max_tokens=16, temperature=0.0,
                                                                   ignore_eos=True, timeout=60) for i in range(4)))
-            assert all(r.usage.completion_tokens == 24 for r in results)
+            assert all(r.usage.completion_tokens == 16 for r in results)
             assert not any(t.done() for t in load), "the Embed load ended before Generate was done"
             assert done_calls[0] > calls_before, "Embed made no progress while Generate ran"
         finally:

@@ -251,3 +251,41 @@ def test_cuda_half_matches_cpu(model_dir, full_vectors):
     got = gpu.embed(TEXTS).vectors
     assert got.device.type == "cpu" and got.dtype == torch.float32
     assert _cos(got, full_vectors).min() >= 0.999
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta"])
+def test_tiny_random_encoders_match_transformers(tmp_path, model_type):
+    """Any BERT-family config (other sizes, activations, RoBERTa's position offset) against HF's own model."""
+    import transformers
+
+    kinds = {"bert": (transformers.BertConfig, transformers.BertModel, "gelu"),
+             "roberta": (transformers.RobertaConfig, transformers.RobertaForMaskedLM, "gelu_new"),
+             "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel, "relu")}
+    config_cls, model_cls, act = kinds[model_type]
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=500, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=96, hidden_act=act, max_position_embeddings=66, pad_token_id=1)
+    hf = model_cls(cfg).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours = load_bert(str(tmp_path))
+    assert ours.config.max_input_tokens == (64 if model_type != "bert" else 66)
+    lengths = [5, 64, 1, 17]
+    ids = torch.randint(3, 500, (4, 64))
+    mask = torch.arange(64)[None, :] < torch.tensor(lengths)[:, None]
+    ids[~mask] = 1
+    with torch.inference_mode():
+        base = hf.roberta if model_type == "roberta" else hf
+        want = base(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        got = ours(ids, mask)
+    assert (got[mask] - want[mask]).abs().max() < 1e-4
+
+
+def test_plain_hf_directory_uses_mean_pooling_like_sentence_transformers(model_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    _linked_copy(model_dir, tmp_path, skip=("modules.json",))
+    ours = Embedder.from_pretrained(str(tmp_path))
+    assert (ours.pooling, ours.normalize_module) == ("mean", False)
+    ref = SentenceTransformer(str(tmp_path), device="cpu").encode(TEXTS[:8], convert_to_tensor=True)
+    got = ours.embed(TEXTS[:8], normalize=False).vectors
+    assert _cos(got, ref).min() >= 0.9999 and (got.norm(dim=-1) - ref.norm(dim=-1)).abs().max() < 1e-3

@@ -57,6 +57,9 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-embed-batch-tokens", type=int, default=8192,
                    help="padded tokens (rows * longest input) per embedding micro-batch; inputs of concurrent "
                         "Embed calls share micro-batches grouped by length")
+    s.add_argument("--embed-threads", type=int, default=None,
+                   help="torch intra-op threads of the embedding worker (default: half of them on CPU when a "
+                        "generation model runs too, else all)")
     s.add_argument("--no-generation-model", action="store_true", help="serve no generation model (Embed only)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -129,7 +132,7 @@ def configs_from_args(args) -> tuple[ServerConfig, EngineConfig | None]:
     server = ServerConfig(
         host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace,
         embedding_model="" if args.no_embedding_model else args.embedding_model,
-        max_embed_batch_tokens=args.max_embed_batch_tokens,
+        max_embed_batch_tokens=args.max_embed_batch_tokens, embed_threads=args.embed_threads,
         generation=not args.no_generation_model,
         max_send_message_bytes=args.max_send_message_bytes, max_receive_message_bytes=args.max_receive_message_bytes,
         keepalive_time_ms=args.keepalive_time_ms, keepalive_timeout_ms=args.keepalive_timeout_ms,

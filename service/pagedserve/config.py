@@ -79,6 +79,8 @@ class ServerConfig:
         host, port: where to listen (port 0 picks a free port).
         embedding_model: HF/sentence-transformers directory; None for the embedded all-MiniLM-L6-v2; "" for none.
         max_embed_batch_tokens: padded tokens (rows * longest input) per embedding micro-batch, across calls.
+        embed_threads: torch intra-op threads of the embedding worker; None: half of torch's threads when a
+            generation model shares the CPU, else torch's setting (engine.embed_batcher.default_num_threads).
         generation: False serves no generation model (Embed only).
         shutdown_grace_s: seconds in-flight calls get to finish after SIGTERM before open streams end with ABORT.
         max_send_message_bytes, max_receive_message_bytes: largest gRPC message sent / accepted
@@ -101,6 +103,7 @@ class ServerConfig:
     port: int = 50051
     embedding_model: str | None = None
     max_embed_batch_tokens: int = 8192
+    embed_threads: int | None = None
     generation: bool = True
     shutdown_grace_s: float = 10.0
     max_send_message_bytes: int = 16 * 1024 * 1024
@@ -117,6 +120,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
         _check(self.max_embed_batch_tokens >= 1, "max_embed_batch_tokens", "must be >= 1")
+        _check(self.embed_threads is None or self.embed_threads >= 1, "embed_threads", "must be >= 1")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
         _check(self.max_send_message_bytes >= 1024, "max_send_message_bytes", "must be >= 1024")
         _check(self.max_receive_message_bytes >= 1024, "max_receive_message_bytes", "must be >= 1024")

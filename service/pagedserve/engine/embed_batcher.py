@@ -8,8 +8,9 @@ with another call's (as text-embeddings-inference batches across requests).
 Choosing a micro-batch: calls take turns (round robin) to anchor one: the anchor is the first pending input of the
 call whose turn it is, so a small call is never stuck behind a large one and no call starves. The batch then
 grows around the anchor in length order, one neighbour at a time (the one adding the least padding), while its
-padded size ``rows * longest`` stays within ``max_batch_tokens`` and padding stays a small fraction of it. A single
-input longer than the budget runs alone. Padding keys are masked, so the grouping never changes a vector.
+padded size ``rows * longest`` stays within ``max_batch_tokens`` and padding stays at most a set fraction of it
+(the model runs packed, so padding costs attention work only). A single input longer than the budget runs alone.
+Padded keys are masked, so the grouping never changes a vector.
 
 Each call gets its vectors in its own input order; cancelling a call (client cancel, deadline) drops its inputs
 that have not run yet.
@@ -36,12 +37,15 @@ log = structlog.get_logger(__name__)
 class _Call:
     """One Embed call in flight: its inputs' token ids and the vectors filled in as micro-batches finish."""
 
-    __slots__ = ("loop", "future", "token_ids", "vectors", "remaining", "cancelled", "items", "cursor")
+    __slots__ = ("loop", "future", "token_ids", "normalize", "dimensions", "vectors", "remaining", "cancelled",
+                 "items", "cursor")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, token_ids: list[list[int]], dimension: int):
+    def __init__(self, loop: asyncio.AbstractEventLoop, token_ids: list[list[int]], dimension: int,
+                 normalize: bool, dimensions: int | None):
         self.loop = loop
-        self.future: asyncio.Future = loop.create_future()
+        self.future: asyncio.Future = loop.create_future()     # resolves to the finished [N, D'] vectors
         self.token_ids = token_ids                              # per input, special tokens included
+        self.normalize, self.dimensions = normalize, dimensions  # the API's post-processing (Embedder.finish)
         self.vectors = torch.empty(len(token_ids), dimension)   # [N, dimension] float32, row i for input i
         self.remaining = len(token_ids)                         # inputs not yet embedded (worker thread only)
         self.cancelled = False                                  # set on the loop when the caller goes away
@@ -81,6 +85,16 @@ class _Item:
     taken: bool = field(default=False, compare=False)  # left the pool (ran, or its call was cancelled)
 
 
+def default_num_threads(shares_cpu_with_generation: bool, device: torch.device | str = "cpu") -> int | None:
+    """Intra-op threads for the embed worker: on CPU next to a generation engine, half of torch's threads (at
+    least 1), so the engine thread and the embed worker each keep cores of their own instead of both
+    oversubscribing every core (OpenMP teams that outnumber the cores stall at each barrier). None (torch's own
+    setting) on a GPU or with no generation engine."""
+    if torch.device(device).type != "cpu" or not shares_cpu_with_generation:
+        return None
+    return max(1, torch.get_num_threads() // 2)
+
+
 class EmbedBatcher:
     """Batches the inputs of concurrent :meth:`embed` calls into micro-batches run by one worker thread.
 
@@ -88,16 +102,21 @@ class EmbedBatcher:
         embedder: the model; only its ``encode_micro_batch`` runs on the worker thread.
         max_batch_tokens: padded tokens (rows * longest input) per micro-batch; a longer single input runs alone.
         max_padding_fraction: a neighbour joins a micro-batch only if padding stays at most this fraction of its
-            padded tokens (or the batch stays within ``small_batch_tokens``).
+            padded tokens (or the batch stays within ``small_batch_tokens``); padding costs attention work only.
         small_batch_tokens: padded size under which any neighbour may join (per-batch overhead dominates there).
         tokenize_executor: where texts are tokenized (off the event loop); default: a private 1-thread pool.
+        num_threads: torch intra-op threads of the worker thread alone (see :func:`default_num_threads`); None
+            keeps torch's setting. Threads that exist already keep theirs, and threads started later get the
+            process setting of before.
     """
 
-    def __init__(self, embedder: Embedder, max_batch_tokens: int = 8192, *, max_padding_fraction: float = 0.2,
-                 small_batch_tokens: int = 128,
-                 tokenize_executor: concurrent.futures.Executor | None = None):
+    def __init__(self, embedder: Embedder, max_batch_tokens: int = 8192, *, max_padding_fraction: float = 0.5,
+                 small_batch_tokens: int = 128, tokenize_executor: concurrent.futures.Executor | None = None,
+                 num_threads: int | None = None):
         if max_batch_tokens <= 0:
             raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         if not 0.0 <= max_padding_fraction < 1.0:
             raise ValueError(f"max_padding_fraction must be in [0, 1), got {max_padding_fraction}")
         self.embedder = embedder
@@ -116,8 +135,15 @@ class EmbedBatcher:
         self.num_shared_micro_batches = 0                 # of which held inputs of more than one call
         self.num_padded_tokens = 0                        # sum over micro-batches of rows * longest
         self.num_real_tokens = 0                          # sum of their inputs' lengths (the rest is padding)
-        self._thread = threading.Thread(target=self._run, name="pagedserve-embed-worker", daemon=True)
+        self.num_threads = num_threads
+        process_threads = torch.get_num_threads()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="pagedserve-embed-worker",
+                                        daemon=True)
         self._thread.start()
+        started.wait()
+        if num_threads is not None:     # torch.set_num_threads also set the default of threads not started yet
+            torch.set_num_threads(process_threads)
 
     # ---- event-loop side ---------------------------------------------------------------------------------------
     async def embed(self, texts: list[str], normalize: bool = True, truncate: bool = False,
@@ -134,14 +160,14 @@ class EmbedBatcher:
         self._check_open()
         loop = asyncio.get_running_loop()
         token_ids = await loop.run_in_executor(self._tokenize_executor, self.embedder.tokenize, texts, truncate)
-        call = _Call(loop, token_ids, self.embedder.dimension)
+        call = _Call(loop, token_ids, self.embedder.dimension, normalize, dimensions)
         self._enqueue(call)
         try:
             vectors = await call.future
         except asyncio.CancelledError:
             self._drop(call)
             raise
-        return EmbedResult(Embedder.finish(vectors, normalize, dimensions), sum(map(len, token_ids)))
+        return EmbedResult(vectors, sum(map(len, token_ids)))
 
     def close(self) -> None:
         """Stop the worker after its current micro-batch; calls still waiting get EngineUnavailableError."""
@@ -190,7 +216,11 @@ class EmbedBatcher:
             self._pool = [item for item in self._pool if not item.taken]
 
     # ---- worker thread -----------------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, started: threading.Event) -> None:
+        if self.num_threads is not None:
+            torch.get_num_threads()                   # torch's lazy per-thread init first, or it would undo this
+            torch.set_num_threads(self.num_threads)   # OpenMP / MKL: this thread's teams only
+        started.set()
         while True:
             with self._cond:
                 while not self._stopping and not self._pool:
@@ -207,19 +237,21 @@ class EmbedBatcher:
         self._calls.rotate(-1)                                      # its turn is used: to the back of the line
         pool = self._pool
         lo = bisect.bisect_left(pool, anchor)
-        hi = lo + 1
+        hi = lo + 1                                                 # the batch is pool[lo:hi]
         longest, real = anchor.length, anchor.length
         while True:
-            rows = hi - lo + 1
-            left = pool[lo - 1].length if lo > 0 else None            # shorter: padding longest - left
-            right = pool[hi].length if hi < len(pool) else None       # longer: pads every row already in
-            pad_left = longest - left if left is not None else None
-            pad_right = (rows - 1) * (right - longest) if right is not None else None
-            if pad_left is not None and (pad_right is None or pad_left <= pad_right) and \
-                    self._fits(rows * longest, real + left):
-                lo, real = lo - 1, real + left
-            elif pad_right is not None and self._fits(rows * right, real + right):
-                hi, real, longest = hi + 1, real + right, right
+            rows = hi - lo + 1                                      # rows once one more joins
+            options = []                                            # (padding added, side, longest after)
+            if lo > 0:                                              # a shorter one: padded to the longest
+                options.append((longest - pool[lo - 1].length, -1, longest))
+            if hi < len(pool):                                      # a longer one: pads every row already in
+                options.append(((rows - 1) * (pool[hi].length - longest), 1, pool[hi].length))
+            for _, side, new_longest in sorted(options):
+                length = pool[lo - 1].length if side < 0 else pool[hi].length
+                if self._fits(rows * new_longest, real + length):
+                    lo, hi = (lo - 1, hi) if side < 0 else (lo, hi + 1)
+                    longest, real = new_longest, real + length
+                    break
             else:
                 break
         batch = pool[lo:hi]
@@ -257,6 +289,6 @@ class EmbedBatcher:
                 continue
             call.vectors[item.index] = vectors[row]
             call.remaining -= 1
-            if call.remaining == 0:
-                call.post(call.vectors)
+            if call.remaining == 0:   # post-processing here too: no torch work on the event loop
+                call.post(Embedder.finish(call.vectors, call.normalize, call.dimensions))
 

@@ -2,9 +2,9 @@
 (``modules.json``: Transformer -> Pooling -> optional Normalize; ``1_Pooling/config.json``;
 ``sentence_bert_config.json``), as ``SentenceTransformer.encode`` computes them.
 
-Inputs are tokenized, sorted by length and run in micro-batches whose padded size stays under a token budget, so
-padding is small; vectors come back in input order. Padding keys are masked, so a text gives the same vector alone
-or in any batch.
+Inputs are tokenized, sorted by length and run in micro-batches whose padded size stays under a token budget;
+vectors come back in input order. A micro-batch runs packed (see :class:`pagedserve.models.bert.PackedBatch`) and
+padded keys are masked in attention, so a text gives the same vector alone or in any batch.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.errors import InvalidInputError
-from pagedserve.models.bert import BertEncoder, load_bert
+from pagedserve.models.bert import BertEncoder, PackedBatch, load_bert
 
 # sentence-transformers legacy Pooling config keys -> pooling mode names (newer configs store "pooling_mode").
 _LEGACY_POOLING_KEYS = {
@@ -93,24 +93,25 @@ def read_sentence_transformers_config(path: str) -> SentenceTransformersConfig:
                                       bool(st_cfg.get("do_lower_case", False)))
 
 
-def pool(hidden: torch.Tensor, lengths: torch.Tensor, mode: str) -> torch.Tensor:
-    """Pool right-padded token states into one vector per row (sentence-transformers Pooling semantics).
+def pool_packed(hidden: torch.Tensor, lengths: torch.Tensor, mode: str) -> torch.Tensor:
+    """Pool sequences packed end to end into one vector each (sentence-transformers Pooling semantics).
 
     Args:
-        hidden: ``[B, S, H]`` float32 hidden states; row b's real tokens are positions ``0 .. lengths[b]-1``.
-        lengths: ``[B]`` int64, each >= 1.
-        mode: "mean" (average of the real tokens), "cls" (first token), "lasttoken" (last real token).
+        hidden: ``[T, H]`` float32 token states, sequence b's tokens after those of sequences 0..b-1.
+        lengths: ``[B]`` int64 token counts, each >= 1, summing to T.
+        mode: "mean" (average of the tokens), "cls" (first token), "lasttoken" (last token).
 
     Returns:
         ``[B, H]`` float32.
     """
+    ends = torch.cumsum(lengths, 0)
     if mode == "cls":
-        return hidden[:, 0]
+        return hidden[ends - lengths]
     if mode == "lasttoken":
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
-    mask = (torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]).to(hidden.dtype)
-    summed = (hidden * mask[:, :, None]).sum(dim=1)
-    return summed / mask.sum(dim=1, keepdim=True).clamp(min=1e-9)
+        return hidden[ends - 1]
+    seq_of_token = torch.repeat_interleave(torch.arange(lengths.shape[0], device=hidden.device), lengths)
+    summed = hidden.new_zeros(lengths.shape[0], hidden.shape[1]).index_add_(0, seq_of_token, hidden)
+    return summed / lengths[:, None].to(hidden.dtype)
 
 
 def plan_micro_batches(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
@@ -139,9 +140,9 @@ class Embedder:
                  max_input_tokens: int, do_lower_case: bool = False, max_batch_tokens: int = 8192):
         if pooling not in POOLING_MODES:
             raise ValueError(f"pooling {pooling!r} is not one of {POOLING_MODES}")
-        if not 0 < max_input_tokens <= model.config.max_position_embeddings:
+        if not 0 < max_input_tokens <= model.config.max_input_tokens:
             raise ValueError(f"max_input_tokens {max_input_tokens} must be in "
-                             f"[1, max_position_embeddings={model.config.max_position_embeddings}]")
+                             f"[1, {model.config.max_input_tokens}] (the model's position table)")
         if max_batch_tokens <= 0:
             raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
         self._model, self._tokenizer = model, tokenizer
@@ -158,7 +159,7 @@ class Embedder:
         """Load a HF or sentence-transformers model directory (BERT family, safetensors weights).
 
         ``max_input_tokens`` is sentence_bert_config.json's ``max_seq_length`` (else the tokenizer's
-        ``model_max_length``), capped by ``max_position_embeddings``. ``name`` defaults to ``path``.
+        ``model_max_length``), capped by what the position table allows. ``name`` defaults to ``path``.
 
         Raises:
             FileNotFoundError: ``path`` does not exist, or config.json / weights / a module config is missing.
@@ -173,12 +174,13 @@ class Embedder:
         st = read_sentence_transformers_config(path)
         model = load_bert(st.model_dir, device=device, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(st.model_dir)
-        limit = st.max_seq_length or tokenizer.model_max_length or model.config.max_position_embeddings
+        limit = st.max_seq_length or tokenizer.model_max_length or model.config.max_input_tokens
         return cls(model, tokenizer, name=name or path, pooling=st.pooling, normalize_module=st.normalize,
-                   max_input_tokens=min(int(limit), model.config.max_position_embeddings),
+                   max_input_tokens=min(int(limit), model.config.max_input_tokens),
                    do_lower_case=st.do_lower_case, max_batch_tokens=max_batch_tokens)
 
     tokenizer = property(lambda self: self._tokenizer, doc="the HF tokenizer (AutoTokenizer) of the model")
+    device = property(lambda self: self._device, doc="where the model runs (torch.device)")
     name = property(lambda self: self._name, doc="served model name (defaults to the load path)")
     architecture = property(lambda self: self._model.config.architecture, doc="config.architectures[0]")
     dtype = property(lambda self: str(self._dtype).removeprefix("torch."), doc='weights dtype, e.g. "float32"')
@@ -294,14 +296,8 @@ class Embedder:
         return out
 
     def _forward_batch(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Run one right-padded micro-batch: ``[b, dimension]`` float32 on CPU."""
-        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-        width = int(lengths.max())
-        input_ids = torch.full((len(seqs), width), self._model.config.pad_token_id, dtype=torch.int64)
-        for row, seq in enumerate(seqs):
-            input_ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.int64)
-        padded = bool((lengths < width).any())
-        mask = torch.arange(width)[None, :] < lengths[:, None] if padded else None
-        hidden = self._model(input_ids.to(self._device), None if mask is None else mask.to(self._device))
-        lengths = lengths.to(self._device)
-        return pool(hidden.float(), lengths, self._pooling).cpu()
+        """Run one micro-batch, packed (no padding outside attention): ``[b, dimension]`` float32 on CPU."""
+        batch = PackedBatch.from_lengths([len(seq) for seq in seqs], self._device)
+        input_ids = torch.tensor([t for seq in seqs for t in seq], dtype=torch.int64).to(self._device)
+        hidden = self._model.forward_packed(input_ids, batch)
+        return pool_packed(hidden.float(), batch.lengths, self._pooling).cpu()

@@ -1,10 +1,15 @@
 """BERT encoder forward (Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional Transformers for Language
-Understanding"), computing what HF ``transformers.BertModel`` returns as ``last_hidden_state``.
+Understanding"), computing what HF ``transformers.BertModel`` returns as ``last_hidden_state``; the RoBERTa family
+(RoBERTa, XLM-RoBERTa, CamemBERT: the same encoder with position ids after the padding index) is covered too.
 
 Embeddings (word + token type + absolute position, then LayerNorm), then N post-LayerNorm layers of bidirectional
 self-attention (padding keys masked out) and a GELU MLP. Weights come from a HF model directory's safetensors; the
 HF weight names are mapped to ours in :func:`map_weight_name`, apart from the math. Q, K and V are fused into one
 projection (``qkv_proj``) so each layer does one input GEMM for attention.
+
+Sequences run packed end to end (:class:`PackedBatch`, the "unpadded" layout of TEI / FlashAttention varlen): every
+per-token layer works on the ``[T, H]`` real tokens only, and only attention sees a padded ``[B, S]`` grid, so a
+batch of mixed lengths wastes compute on padding in attention alone.
 """
 from __future__ import annotations
 
@@ -26,9 +31,14 @@ _ACTIVATIONS = {
 }
 
 
+# HF model_type -> position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids).
+# The rest of these encoders is BERT's: same layers, same weight names under the "bert." / "roberta." prefix.
+MODEL_TYPES = {"bert": False, "roberta": True, "xlm-roberta": True, "camembert": True}
+
+
 @dataclass(frozen=True, slots=True)
 class BertConfig:
-    """The fields of a HF ``config.json`` the forward needs (``model_type`` "bert", absolute positions)."""
+    """The fields of a HF ``config.json`` the forward needs (a :data:`MODEL_TYPES` encoder, absolute positions)."""
 
     architecture: str              # config.architectures[0], e.g. "BertModel"
     vocab_size: int
@@ -41,6 +51,7 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     pad_token_id: int
+    position_offset: int = 0       # first position id: 0 for BERT, pad_token_id + 1 for the RoBERTa family
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -53,32 +64,87 @@ class BertConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def max_input_tokens(self) -> int:
+        """The longest input the position table allows, special tokens included."""
+        return self.max_position_embeddings - self.position_offset
+
     @classmethod
     def from_pretrained(cls, model_dir: str) -> BertConfig:
         """Read ``model_dir/config.json`` through ``transformers.AutoConfig``.
 
         Raises:
             FileNotFoundError: no config.json.
-            ValueError: not a BERT config, or a position embedding type other than "absolute".
+            ValueError: a model type not in :data:`MODEL_TYPES`, or a position embedding type other than
+                "absolute".
         """
         from transformers import AutoConfig
 
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
         hf = AutoConfig.from_pretrained(model_dir)
-        if hf.model_type != "bert":
-            raise ValueError(f"{model_dir!r}: model_type {hf.model_type!r} is not supported (expected 'bert')")
+        if hf.model_type not in MODEL_TYPES:
+            raise ValueError(f"{model_dir!r}: model_type {hf.model_type!r} is not supported "
+                             f"(expected one of {sorted(MODEL_TYPES)})")
         position_type = getattr(hf, "position_embedding_type", "absolute")
         if position_type != "absolute":
             raise ValueError(f"{model_dir!r}: position_embedding_type {position_type!r} is not supported")
+        pad = hf.pad_token_id if hf.pad_token_id is not None else 0
         return cls(
             architecture=(hf.architectures or ["BertModel"])[0],
             vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=hf.num_attention_heads, intermediate_size=hf.intermediate_size,
             hidden_act=hf.hidden_act, max_position_embeddings=hf.max_position_embeddings,
             type_vocab_size=hf.type_vocab_size, layer_norm_eps=hf.layer_norm_eps,
-            pad_token_id=hf.pad_token_id if hf.pad_token_id is not None else 0,
+            pad_token_id=pad, position_offset=pad + 1 if MODEL_TYPES[hf.model_type] else 0,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """B sequences laid end to end in T tokens (no padding), and how they map onto a right-padded ``[B, S]`` grid.
+
+    Per-token layers (embeddings, projections, MLP, LayerNorm) run on the ``[T, H]`` packed tokens, so padding
+    costs nothing there; only attention runs on the grid, with padded keys masked out.
+    """
+
+    lengths: torch.Tensor             # [B] int64, each >= 1
+    max_len: int                      # S, the longest sequence
+    positions: torch.Tensor           # [T] int64 position ids, 0 .. length-1 within each sequence
+    grid_index: torch.Tensor | None   # [T] int64 flat grid slot b * S + t of each token; None: no padding (T = B*S)
+    key_mask: torch.Tensor | None     # [B, 1, 1, S] bool, True for a real key; None: no padding
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> PackedBatch:
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        s = int(lens.max())
+        starts = torch.cumsum(lens, 0) - lens
+        positions = torch.arange(int(lens.sum()), dtype=torch.int64) - torch.repeat_interleave(starts, lens)
+        if bool((lens == s).all()):
+            index = mask = None
+        else:
+            rows = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int64), lens)
+            index = (rows * s + positions).to(device)
+            mask = (torch.arange(s)[None, :] < lens[:, None])[:, None, None, :].to(device)
+        return cls(lens.to(device), s, positions.to(device), index, mask)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.lengths.shape[0]
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, C]`` packed rows -> ``[B, S, C]`` (padded slots zero)."""
+        b, s, c = self.num_seqs, self.max_len, x.shape[-1]
+        if self.grid_index is None:
+            return x.view(b, s, c)
+        grid = x.new_zeros(b * s, c)
+        grid.index_copy_(0, self.grid_index, x)
+        return grid.view(b, s, c)
+
+    def from_grid(self, grid: torch.Tensor) -> torch.Tensor:
+        """``[B, S, C]`` -> ``[T, C]``, the real tokens only."""
+        flat = grid.reshape(-1, grid.shape[-1])
+        return flat if self.grid_index is None else flat.index_select(0, self.grid_index)
 
 
 class BertEmbeddings(nn.Module):
@@ -90,16 +156,16 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.position_offset = cfg.position_offset
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
-        """``input_ids`` ``[B, S]`` int64 (right-padded), ``token_type_ids`` ``[B, S]`` or None (all 0)
-        -> ``[B, S, H]``. Positions are 0..S-1 in every row."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        """``input_ids``, ``positions`` ``[T]`` int64 (0-based within each sequence; the model's position offset
+        is added here), ``token_type_ids`` ``[T]`` or None (all 0) -> ``[T, H]``."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
-        x = x + self.position_embeddings(positions)[None]
-        return self.norm(x)
+        return self.norm(x + self.position_embeddings(positions + self.position_offset))
 
 
 class BertLayer(nn.Module):
@@ -117,20 +183,19 @@ class BertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """``x`` ``[B, S, H]``; ``key_mask`` ``[B, 1, 1, S]`` bool (True: a real token that may be attended to)
-        or None (no padding) -> ``[B, S, H]``."""
-        b, s, h = x.shape
-        qkv = self.qkv_proj(x).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)                                            # each [B, heads, S, head_dim]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)  # softmax(QK^T / sqrt(d)) V
-        attn = attn.transpose(1, 2).reshape(b, s, h)
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """``x`` ``[T, H]`` packed tokens of ``batch`` -> ``[T, H]``."""
+        b, s, h = batch.num_seqs, batch.max_len, x.shape[-1]
+        qkv = batch.to_grid(self.qkv_proj(x)).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)                                                  # each [B, heads, S, head_dim]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.key_mask)  # softmax(QK^T / sqrt(d)) V
+        attn = batch.from_grid(attn.transpose(1, 2).reshape(b, s, h))
         x = self.attn_norm(x + self.o_proj(attn))
         return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
 
 
 class BertEncoder(nn.Module):
-    """The BERT encoder stack without the pooler head; ``forward`` gives HF ``last_hidden_state``."""
+    """The BERT encoder stack without the pooler head; gives HF ``last_hidden_state``."""
 
     def __init__(self, cfg: BertConfig):
         super().__init__()
@@ -138,24 +203,36 @@ class BertEncoder(nn.Module):
         self.embeddings = BertEmbeddings(cfg)
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
+    def forward_packed(self, input_ids: torch.Tensor, batch: PackedBatch,
+                       token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode sequences packed end to end: ``input_ids`` ``[T]`` int64 (``T = batch.lengths.sum()``),
+        ``token_type_ids`` ``[T]`` or None (a single segment) -> ``[T, H]`` hidden states in the model's dtype."""
+        x = self.embeddings(input_ids, batch.positions, token_type_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return x
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Encode a right-padded batch.
+        """Encode a right-padded batch (HF ``BertModel`` calling convention).
 
         Args:
             input_ids: ``[B, S]`` int64 token ids, ``S <= max_position_embeddings``.
-            attention_mask: ``[B, S]`` bool (True for real tokens, False for padding), or None when no row is
-                padded. Every row needs at least one real token. Padded positions' outputs are meaningless.
+            attention_mask: ``[B, S]`` bool (True for real tokens, a prefix of each row), or None when no row is
+                padded. Every row needs at least one real token.
             token_type_ids: ``[B, S]`` int64 segment ids, or None for all zeros (a single segment).
 
         Returns:
-            ``[B, S, H]`` hidden states in the model's dtype.
+            ``[B, S, H]`` hidden states in the model's dtype; padded positions are zero.
         """
-        key_mask = None if attention_mask is None else attention_mask[:, None, None, :].to(torch.bool)
-        x = self.embeddings(input_ids, token_type_ids)
-        for layer in self.layers:
-            x = layer(x, key_mask)
-        return x
+        b, s = input_ids.shape
+        real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        batch = PackedBatch.from_lengths(real.sum(dim=1).tolist(), input_ids.device)
+        types = None if token_type_ids is None else token_type_ids[real]
+        hidden = self.forward_packed(input_ids[real], batch, types)
+        out = hidden.new_zeros(b, s, hidden.shape[-1])
+        out[real] = hidden
+        return out
 
 
 # HF names under "encoder.layer.{i}." -> (our name under "layers.{i}.", row shard of qkv_proj or None).
@@ -171,18 +248,18 @@ _LAYER_WEIGHTS = {
 }
 _EMBEDDING_WEIGHTS = {"word_embeddings": "word_embeddings", "position_embeddings": "position_embeddings",
                       "token_type_embeddings": "token_type_embeddings", "LayerNorm": "norm"}
-_IGNORED_PREFIXES = ("pooler.", "cls.", "classifier.", "qa_outputs.", "embeddings.position_ids",
+_IGNORED_PREFIXES = ("pooler.", "cls.", "lm_head.", "classifier.", "qa_outputs.", "embeddings.position_ids",
                      "embeddings.token_type_ids")
 
 
 def map_weight_name(hf_name: str) -> tuple[str, int | None] | None:
     """Map a HF BERT checkpoint tensor name to ``(our parameter name, qkv shard index or None)``.
 
-    Accepts names with or without the ``bert.`` prefix (BertModel vs BertFor* checkpoints) and the old TF-style
-    ``gamma``/``beta`` LayerNorm names. Returns None for tensors the encoder does not use (pooler, task heads,
+    Accepts names with or without the ``bert.`` / ``roberta.`` prefix (base model vs *For* checkpoints) and the old
+    TF-style ``gamma``/``beta`` LayerNorm names. Returns None for tensors the encoder does not use (pooler, task heads,
     the ``position_ids`` buffer). Raises ValueError for an unknown embeddings/encoder tensor.
     """
-    name = hf_name.removeprefix("bert.")
+    name = hf_name.removeprefix("bert.").removeprefix("roberta.")
     if name.startswith(_IGNORED_PREFIXES) or not name.startswith(("embeddings.", "encoder.layer.")):
         return None
     module, _, leaf = name.rpartition(".")

@@ -102,11 +102,12 @@ class App:
             if self.server_config.embedding_model != "":
                 bar.set_postfix_str(stages[-1])
                 self.state.embedder = await _in_daemon_thread(_load_embedder, self.server_config.embedding_model)
-                from ..engine.embed_batcher import EmbedBatcher
+                from ..engine.embed_batcher import EmbedBatcher, default_num_threads
 
                 self.state.embed_batcher = EmbedBatcher(
                     self.state.embedder, self.server_config.max_embed_batch_tokens,
-                    tokenize_executor=self.state.embed_executor)
+                    tokenize_executor=self.state.embed_executor, num_threads=self.server_config.embed_threads
+                    or default_num_threads(self.state.engine is not None, self.state.embedder.device))
                 bar.update()
         self.state.loading = False
         self._log_summary(time.monotonic() - started)
