@@ -128,3 +128,13 @@ def test_n_completions_share_prompt_blocks(make_engine):
         assert all(out[i][0] == single for i in range(4))
         assert max(max_shared) == 4                    # the prompt's full blocks are held by all four
         assert engine.kv_cache.num_free_blocks == 100
+
+
+def test_aborting_an_n_request_before_its_prompt_is_computed_leaves_the_engine_idle(make_engine):
+    engine = make_engine(num_kv_blocks=64)
+    engine.add_request("blocker", random_prompts(1, 200, 200, seed=9)[0], greedy(4))
+    engine.add_request("multi", random_prompts(1, 50, 50, seed=10)[0], greedy(4, n=3))
+    _, deltas = engine.abort(["multi"])
+    assert sorted(d.index for d in deltas) == [0, 1, 2] and all(d.finish_reason == "abort" for d in deltas)
+    run_to_completion(engine)
+    assert not engine.has_unfinished() and engine.kv_cache.num_free_blocks == 64

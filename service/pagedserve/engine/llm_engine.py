@@ -175,6 +175,8 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
         """Run one scheduling step and return what each completion produced."""
+        if self._forking:  # (also drops aborted n > 1 groups, so has_unfinished() cannot stay true while idle)
+            self._release_forks()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
