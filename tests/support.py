@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 
@@ -49,3 +50,24 @@ def run_to_completion(engine, on_step=None) -> dict:
             ids, reason, text = out.setdefault(d.request_id, {}).get(d.index, ([], None, ""))
             out[d.request_id][d.index] = (ids + d.token_ids, d.finish_reason or reason, text + d.text)
     return out
+
+
+@contextlib.contextmanager
+def server_sharing_model(server, embedding_model: str = "", **engine_kwargs):
+    """A second in-process server whose engine uses the session server's loaded weights (no embedding model
+    unless ``embedding_model`` says, e.g. "llm")."""
+    from pagedserve.config import EngineConfig, ServerConfig
+    from pagedserve.engine import builder
+
+    original = builder.build_engine
+    model, tokenizer = server.engine.runner.model, server.engine.tokenizer
+    builder.build_engine = lambda config: original(config, model=model, tokenizer=tokenizer)
+    try:
+        s = ServerThread(ServerConfig(host="127.0.0.1", port=0, embedding_model=embedding_model),
+                         EngineConfig(device="cpu", dtype="float32", attention_backend="torch", **engine_kwargs))
+    finally:
+        builder.build_engine = original
+    try:
+        yield s
+    finally:
+        s.stop()

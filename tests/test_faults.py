@@ -22,7 +22,7 @@ from pagedserve.engine.request import RequestStatus
 from pagedserve_client import pb
 from pagedserve_client.v1 import inference_pb2_grpc
 
-from support import ServerThread
+from support import server_sharing_model
 
 SERVICE = "pagedserve.v1.InferenceService"
 FAULTY_PROMPT = [2000 + i for i in range(10)]
@@ -165,26 +165,6 @@ def test_a_killed_client_is_detected_and_its_request_aborted(server):
     assert not request.blocks
     assert_idle_and_free(server)
     print(f"\nkilled client detected and aborted after {detected_s:.2f} s")
-
-
-@contextlib.contextmanager
-def server_sharing_model(server, **engine_kwargs):
-    """A second in-process server (no embedding model) whose engine uses the session server's loaded weights."""
-    from pagedserve.config import EngineConfig, ServerConfig
-    from pagedserve.engine import builder
-
-    original = builder.build_engine
-    model, tokenizer = server.engine.runner.model, server.engine.tokenizer
-    builder.build_engine = lambda config: original(config, model=model, tokenizer=tokenizer)
-    try:
-        s = ServerThread(ServerConfig(host="127.0.0.1", port=0, embedding_model=""),
-                         EngineConfig(device="cpu", dtype="float32", attention_backend="torch", **engine_kwargs))
-    finally:
-        builder.build_engine = original
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 def test_a_fatal_engine_error_fails_every_call_with_unavailable(server):

@@ -52,7 +52,8 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None,
                    help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--embedding-model", default=None,
-                   help="HF / sentence-transformers directory (default: the embedded all-MiniLM-L6-v2)")
+                   help="HF / sentence-transformers directory (default: the embedded all-MiniLM-L6-v2), or 'llm': "
+                        "embed with --model itself, last-token pooling through the generation engine's prefill")
     s.add_argument("--no-embedding-model", action="store_true", help="serve no embedding model")
     s.add_argument("--max-embed-batch-tokens", type=int, default=8192,
                    help="padded tokens (rows * longest input) per embedding micro-batch; inputs of concurrent "

@@ -1,10 +1,13 @@
 """Reference paged attention in plain torch: the oracle for the CUDA kernels and the CPU path.
 
-Semantics are those of :class:`pagedserve.attention.base.AttentionBackend`. Decodes (one new token each) run as one
-batched SDPA over K/V gathered through the block tables; prefill chunks run one sequence at a time with a causal
-mask offset by the cached prefix length.
+Semantics are those of :class:`pagedserve.attention.base.AttentionBackend`. Decodes (one new token each) run as
+batched SDPA over K/V gathered through the block tables, in groups of similar context length; prefill chunks run
+one sequence at a time with a causal mask offset by the cached prefix length (plain ``is_causal`` over the new rows
+when there is no cached prefix).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,12 +47,92 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
     """
     block_size = cache.shape[1]
     num_blocks = (num_tokens + block_size - 1) // block_size
-    rows = cache[block_table[:num_blocks].long()]
-    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
+    rows = cache.index_select(0, block_table[:num_blocks].long())  # (index_select: ~2x advanced indexing on CPU)
+    return rows.view(num_blocks * block_size, *cache.shape[2:])[:num_tokens]
+
+
+class Workspace:
+    """Two growable scratch buffers for gathered K and V blocks (reused by every layer and step)."""
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def kv_buffers(self, num_blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[num_blocks, *like.shape[1:]]`` of the K and V buffers, ``like``'s dtype and device."""
+        numel = num_blocks * like[0].numel()
+        if self._k is None or self._k.numel() < numel or self._k.dtype != like.dtype or \
+                self._k.device != like.device:
+            self._k = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._v = torch.empty(numel, dtype=like.dtype, device=like.device)
+        shape = (num_blocks, *like.shape[1:])
+        return self._k[:numel].view(shape), self._v[:numel].view(shape)
+
+
+DECODE_GROUP_OVERHEAD_ROWS = 256  # a decode group costs about as much fixed time as this many padded K/V rows
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    start: int                 # first decode row of the group
+    end: int                   # one past its last row
+    tables: torch.Tensor       # [(end - start) * num_blocks] int64 block ids, row by row; num_blocks covers the
+                               # group's longest context
+    mask: torch.Tensor         # [end - start, 1, 1, num_blocks * block_size] bool, True where a key is in context
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What every layer of one step reuses: decode groups, and the causal mask of each prefill chunk (None when
+    the chunk is the whole context, which runs as ``is_causal``)."""
+
+    decode_groups: list[_DecodeGroup]
+    prefill_masks: list[torch.Tensor | None]
+    query_starts: list[int]
+
+
+def plan_step(meta: AttentionMetadata, block_size: int) -> StepPlan:
+    """Build the per-step plan of :func:`paged_attention_ref`.
+
+    Decodes are split into contiguous groups so that a short context is not padded to a much longer one: reading
+    rows in order, a new group starts at row i when the padding the remaining rows would save by it,
+    ``(group's longest - context_lens[i]) * rows left``, exceeds :data:`DECODE_GROUP_OVERHEAD_ROWS`. The model
+    runner orders decodes by context length, longest first, so the groups nest tightly; any order is correct.
+    """
+    device = meta.block_tables.device
+    nd = meta.num_decode_seqs
+    lens = meta.context_lens_cpu
+    bounds, start, longest = [], 0, 0
+    for i in range(nd):
+        if i > start and (longest - lens[i]) * (nd - i) > DECODE_GROUP_OVERHEAD_ROWS and lens[i] <= longest:
+            bounds.append((start, i, longest))
+            start, longest = i, 0
+        longest = max(longest, lens[i])
+    if nd:
+        bounds.append((start, nd, longest))
+    groups = []
+    for a, b, longest in bounds:
+        num_blocks = (longest + block_size - 1) // block_size
+        mask = torch.arange(num_blocks * block_size, device=device)[None, :] < meta.context_lens[a:b, None]
+        groups.append(_DecodeGroup(a, b, meta.block_tables[a:b, :num_blocks].reshape(-1).long(),
+                                   mask[:, None, None, :]))
+    masks = []
+    for i in range(nd, meta.num_seqs):
+        q_len, ctx_len = meta.query_lens_cpu[i], lens[i]
+        if q_len == ctx_len:
+            masks.append(None)
+            continue
+        # Query row r sits at absolute position ctx_len - q_len + r and sees keys 0..that position.
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+        masks.append(torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None])
+    starts = meta.query_start_loc.tolist() if nd < meta.num_seqs else []
+    return StepPlan(groups, masks, starts)
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, plan: StepPlan | None = None,
+                        key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                        workspace: Workspace | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over their paged contexts (no cache write).
 
     Args:
@@ -57,56 +140,65 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already holding this step's rows.
         meta: the step's metadata.
         scale: softmax scale.
+        plan: :func:`plan_step` of ``meta`` (built here when None); layers of one step share it.
+        key, value: optional ``[T, num_kv_heads, head_dim]`` new rows; a prefill chunk that is its sequence's
+            whole context then reads them directly instead of gathering them back from the cache.
+        workspace: gather buffers to reuse across layers and steps (a fresh one when None).
 
     Returns:
-        ``[T, num_heads, head_dim]``, query's dtype. Softmax is computed in fp32 for fp16/bf16 inputs.
+        ``[T, num_heads, head_dim]``, query's dtype. Softmax is computed in fp32 for fp16/bf16 inputs on CUDA; the
+        CPU flash kernel accumulates reduced precision inputs in fp32 itself.
     """
+    if plan is None:
+        plan = plan_step(meta, k_cache.shape[1])
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     gqa = num_heads != num_kv_heads
-    compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    nd = meta.num_decode_seqs
-    if nd > 0:
-        _decode_batch(query[:nd], k_cache, v_cache, meta, scale, out[:nd], compute_dtype, gqa)
-    starts = meta.query_start_loc.tolist() if nd < meta.num_seqs else []
+    upcast = query.dtype in (torch.float16, torch.bfloat16) and query.device.type != "cpu"
+    compute_dtype = torch.float32 if upcast else query.dtype
+    head_dim, block_size = query.shape[2], k_cache.shape[1]
+    for g in plan.decode_groups:
+        n = g.end - g.start
+        # Gather the group's blocks into reused buffers (index_select with out=: no fresh allocation per layer),
+        # then view them [n, Hkv, S, D] without a copy.
+        k_rows, v_rows = (workspace or Workspace()).kv_buffers(g.tables.numel(), k_cache)
+        torch.index_select(k_cache, 0, g.tables, out=k_rows)
+        torch.index_select(v_cache, 0, g.tables, out=v_rows)
+        k = k_rows.view(n, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+        v = v_rows.view(n, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+        # GQA folded into the query length: the H / Hkv query heads of a KV head are its "query rows"
+        # [n, Hkv, H / Hkv, D] (query head h reads KV head h // (H / Hkv)), so no K/V head is repeated.
+        q = query[g.start:g.end].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype),
+                                           attn_mask=g.mask, scale=scale)
+        out[g.start:g.end] = o.reshape(n, num_heads, head_dim).to(out.dtype)
+    nd, starts = meta.num_decode_seqs, plan.query_starts
     for i in range(nd, meta.num_seqs):
         q_len, ctx_len = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
-        q = query[starts[i]:starts[i] + q_len]
-        k = gather_kv(k_cache, meta.block_tables[i], ctx_len)
-        v = gather_kv(v_cache, meta.block_tables[i], ctx_len)
-        # Query row r sits at absolute position ctx_len - q_len + r and sees keys 0..that position.
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-        mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos[:, None]
+        a, b = starts[i], starts[i] + q_len
+        mask = plan.prefill_masks[i - nd]
+        if mask is None and key is not None:
+            k, v = key[a:b], value[a:b]
+        else:
+            k = gather_kv(k_cache, meta.block_tables[i], ctx_len)
+            v = gather_kv(v_cache, meta.block_tables[i], ctx_len)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(compute_dtype), k.transpose(0, 1).to(compute_dtype),
-            v.transpose(0, 1).to(compute_dtype), attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[starts[i]:starts[i] + q_len] = o.transpose(0, 1).to(query.dtype)
+            query[a:b].transpose(0, 1).to(compute_dtype), k.transpose(0, 1).to(compute_dtype),
+            v.transpose(0, 1).to(compute_dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=gqa)
+        out[a:b] = o.transpose(0, 1).to(query.dtype)
     return out
-
-
-def _decode_batch(query, k_cache, v_cache, meta, scale, out, compute_dtype, gqa) -> None:
-    """Batched decode: ``query`` ``[nd, H, D]``, one token per sequence, K/V gathered to the longest context."""
-    nd = query.shape[0]
-    block_size = k_cache.shape[1]
-    max_ctx = max(meta.context_lens_cpu[:nd])
-    num_blocks = (max_ctx + block_size - 1) // block_size
-    tables = meta.block_tables[:nd, :num_blocks].long()
-    k = k_cache[tables].reshape(nd, num_blocks * block_size, *k_cache.shape[2:])
-    v = v_cache[tables].reshape(nd, num_blocks * block_size, *v_cache.shape[2:])
-    ctx = meta.context_lens[:nd].to(torch.long)
-    mask = torch.arange(num_blocks * block_size, device=query.device)[None, :] < ctx[:, None]  # [nd, S]
-    o = F.scaled_dot_product_attention(
-        query.unsqueeze(2).to(compute_dtype),                  # [nd, H, 1, D]
-        k.permute(0, 2, 1, 3).to(compute_dtype),               # [nd, Hkv, S, D]
-        v.permute(0, 2, 1, 3).to(compute_dtype),
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
-    out.copy_(o.squeeze(2).to(out.dtype))
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Reference backend: :func:`reshape_and_cache` then :func:`paged_attention_ref`. Runs on CPU or GPU."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: StepPlan | None = None
+        self._plan_meta: AttentionMetadata | None = None
+        self._workspace = Workspace()
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         if query.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
@@ -115,4 +207,6 @@ class TorchAttentionBackend(AttentionBackend):
         if k_cache.dtype != key.dtype:
             raise ValueError(f"k_cache dtype {k_cache.dtype} != key dtype {key.dtype}")
         reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale)
+        if meta is not self._plan_meta:  # one plan per step, shared by its layers
+            self._plan, self._plan_meta = plan_step(meta, k_cache.shape[1]), meta
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._plan, key, value, self._workspace)

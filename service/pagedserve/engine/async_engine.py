@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
 import structlog
+import torch
 
 from ..errors import DuplicateRequestError, EngineUnavailableError
-from .llm_engine import CompletionDelta, LLMEngine
+from .llm_engine import CompletionDelta, LLMEngine, Usage
 from .sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -70,6 +72,32 @@ class AsyncEngine:
             DuplicateRequestError, InvalidInputError, QueueFullError: from validation.
             EngineUnavailableError: shutting down or the engine died (also raised mid-stream).
         """
+        async for delta in self._stream(request_id, params.n, self.engine.add_request, request_id, prompt_token_ids,
+                                        params, priority, cache_salt):
+            yield delta
+
+    async def embed(self, request_id: str, token_ids: list[int], priority: int = 0, cache_salt: str | None = None,
+                    field: str = "inputs") -> tuple[torch.Tensor, Usage]:
+        """Run ``token_ids`` through the engine's prefill as a pooling request (batched with generation).
+
+        Returns:
+            The final hidden state of the last token ``[hidden]`` float32 on CPU (not normalized), and the usage.
+
+        Raises:
+            InvalidInputError (naming ``field``), DuplicateRequestError, QueueFullError: from validation.
+            EngineUnavailableError: shutting down or the engine died.
+        """
+        async with contextlib.aclosing(self._stream(request_id, 1, self.engine.add_pooling_request, request_id,
+                                                    token_ids, priority, cache_salt, field)) as deltas:
+            async for delta in deltas:
+                if delta.finish_reason is not None and delta.embedding is not None:
+                    return delta.embedding, delta.usage
+        raise EngineUnavailableError(f"request {request_id!r} ended without an embedding (aborted)")
+
+    async def _stream(self, request_id: str, num_completions: int, add: Callable, *args
+                      ) -> AsyncIterator[CompletionDelta]:
+        """Queue a request with ``add(*args)`` on the engine thread and yield its deltas until its
+        ``num_completions`` completions have finished; a consumer that stops early aborts it."""
         self._check_alive()
         if request_id in self._streams:
             raise DuplicateRequestError(f"request {request_id!r} is already running", "request_id")
@@ -77,8 +105,8 @@ class AsyncEngine:
         self._streams[request_id] = stream
         finished = False
         try:
-            await self._submit(self.engine.add_request, request_id, prompt_token_ids, params, priority, cache_salt)
-            remaining = params.n
+            await self._submit(add, *args)
+            remaining = num_completions
             while remaining:
                 delta = await stream.get()
                 if isinstance(delta, BaseException):

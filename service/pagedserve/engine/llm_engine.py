@@ -23,6 +23,8 @@ from .scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
 
+_POOLING_PARAMS = SamplingParams(max_tokens=1)  # placeholder: pooling requests sample nothing
+
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}
 
@@ -49,6 +51,7 @@ class CompletionDelta:
     usage: Usage | None = None                       # on the request's last delta
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the request's first delta, when asked for
     error: Exception | None = None                   # set when processing this request failed (it is aborted)
+    embedding: torch.Tensor | None = None            # pooling requests: last token's final hidden state [hidden] fp32
 
 
 @dataclass(slots=True)
@@ -108,15 +111,7 @@ class LLMEngine:
         ids = list(prompt_token_ids)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else []
-        if not ids:
-            raise InvalidInputError("the prompt is empty", "prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                    "prompt_token_ids")
-        if len(ids) >= self.max_model_len:
-            raise InvalidInputError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                                    "so at most max_model_len - 1 prompt tokens fit", "prompt")
+        self._check_prompt(ids, self.max_model_len - 1, "prompt")
         room = self.max_model_len - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidInputError(f"max_tokens {params.max_tokens} exceeds the {room} tokens left after the "
@@ -141,6 +136,42 @@ class LLMEngine:
                 child.fork_parent = children[0]
             self._forking.append(group)
         return children
+
+    def add_pooling_request(self, request_id: str, token_ids: list[int], priority: int = 0,
+                            cache_salt: str | None = None, field: str = "inputs") -> Request:
+        """Queue an embedding request: its tokens are prefilled like a prompt (chunked, prefix cache, batched with
+        generation), then the final hidden state of its last token (after the model's last norm; HF's
+        ``last_hidden_state[:, -1]``) comes back as the ``embedding`` of its one delta. Nothing is sampled.
+
+        Raises:
+            InvalidInputError: (naming ``field``) no tokens, unknown token id, more than max_model_len tokens.
+            DuplicateRequestError: ``request_id`` is live.
+            QueueFullError: the waiting queue is full.
+        """
+        if request_id in self.groups:
+            raise DuplicateRequestError(f"request {request_id!r} is already running", "request_id")
+        ids = list(token_ids)
+        self._check_prompt(ids, self.max_model_len, field)
+        if not self.scheduler.can_admit(1):
+            raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
+        req = Request(request_id, ids, _POOLING_PARAMS, 1, frozenset(), priority=priority,
+                      cache_salt=cache_salt or None, parent_id=request_id, pooling=True)
+        self.groups[request_id] = RequestGroup(request_id, [req])
+        self.scheduler.add_request(req)
+        return req
+
+    def _check_prompt(self, ids: list[int], max_len: int, field: str) -> None:
+        if not ids:
+            raise InvalidInputError("the prompt is empty" if field == "prompt" else "has no tokens", field)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                    "prompt_token_ids" if field == "prompt" else field)
+        if len(ids) > max_len:
+            hint = "so at most max_model_len - 1 prompt tokens fit" if field == "prompt" else "set truncate"
+            subject = "the prompt has" if field == "prompt" else "has"
+            raise InvalidInputError(f"{subject} {len(ids)} tokens; max_model_len is {self.max_model_len}, {hint}",
+                                    field)
 
     def _release_forks(self) -> None:
         """Queue the waiting completions of n > 1 groups whose first completion has computed its prompt."""
@@ -197,6 +228,13 @@ class LLMEngine:
         deltas = []
         for req, lps in (result.prompt_logprobs or {}).items():
             self._prompt_lps.setdefault(req, []).extend(lps)
+        for i, entry in enumerate(result.pooled):
+            req = entry.request
+            if req.is_finished:
+                continue
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            deltas.append(self._finish_delta(req, CompletionDelta(req.parent_id, 0,
+                                                                  embedding=result.pooled_hidden[i])))
         if result.output is None:
             return deltas
         for i, entry in enumerate(result.sampled):

@@ -6,7 +6,7 @@ the runner builds positions, slot mapping, its block table row and context lengt
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,8 @@ class StepResult:
     sampled: list[ScheduledRequest]      # the scheduled entries that sampled, in the order of `output`'s rows
     output: SamplerOutput | None         # None when no row sampled (all prefill chunks)
     prompt_logprobs: dict[Request, list[TokenLogprobs]] | None = None  # request -> this step's prompt positions
+    pooled: list[ScheduledRequest] = field(default_factory=list)  # pooling requests whose prompt ended this step
+    pooled_hidden: torch.Tensor | None = None  # [len(pooled), hidden] float32 CPU: their last tokens' final states
 
 
 class ModelRunner:
@@ -98,24 +100,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Run one step: forward over all scheduled tokens, logits and sampling for the rows that sample."""
-        entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)  # stable: decodes first
+        """Run one step: forward over all scheduled tokens; logits and sampling for the rows that sample, the final
+        hidden state for pooling requests whose prompt is complete."""
+        # Decodes first, longest context first (attention backends group decodes of similar length); then the
+        # prefill chunks in scheduling order (the sort is stable).
+        entries = sorted(sched.scheduled, key=lambda e: (e.num_new_tokens != 1,
+                                                         -e.request.num_computed_tokens if e.num_new_tokens == 1 else 0))
         input_ids, positions, meta = self.prepare(entries)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         prompt_lps = self._prompt_logprobs(entries, hidden)
-        sampled = [e for e in entries if e.samples]
-        if not sampled:
-            return StepResult([], None, prompt_lps)
-        last_rows, pos = [], 0
+        sampled, sample_rows, pooled, pooled_rows, pos = [], [], [], [], 0
         for e in entries:
             pos += e.num_new_tokens
             if e.samples:
-                last_rows.append(pos - 1)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=hidden.device)])
+                (pooled if e.request.pooling else sampled).append(e)
+                (pooled_rows if e.request.pooling else sample_rows).append(pos - 1)
+        pooled_hidden = None
+        if pooled:  # last-token pooling over the final (normed) hidden states: HF's last_hidden_state[:, -1]
+            pooled_hidden = hidden[torch.tensor(pooled_rows, device=hidden.device)].float().cpu()
+        if not sampled:
+            return StepResult([], None, prompt_lps, pooled, pooled_hidden)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
         rows = [SamplingRow(params=e.request.params, prompt_token_ids=e.request.prompt_token_ids,
                             output_token_ids=e.request.output_token_ids, generator=e.request.generator,
                             eos_token_ids=e.request.eos_token_ids) for e in sampled]
-        return StepResult(sampled, self.sampler(logits, rows), prompt_lps)
+        return StepResult(sampled, self.sampler(logits, rows), prompt_lps, pooled, pooled_hidden)
 
     def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor):
         """Logprobs of prompt tokens 1..P-1 computed in this step, for requests that asked (``prompt_logprobs=k``).

@@ -57,6 +57,7 @@ class Request:
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # monotonic seconds; for queue time metrics
+    pooling: bool = False                   # an embedding request: the prompt's last hidden state is the output
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -25,6 +25,8 @@ from .request_metrics import MeteredEngine
 from .servicer import InferenceServicer
 from .state import ServerState
 
+LLM_EMBEDDING = "llm"  # --embedding-model value: embed with the generation model (last-token pooling)
+
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -99,7 +101,16 @@ class App:
                 self.metrics.bind_engine(engine.stats, info.name)
                 inner.start()
                 self.state.engine_info = info
-            if self.server_config.embedding_model != "":
+            if self.server_config.embedding_model == LLM_EMBEDDING:
+                if self.state.engine is None:
+                    raise ValueError('--embedding-model llm needs a generation model (it embeds through its engine)')
+                from ..engine.llm_embedder import LLMEmbedder
+
+                info = self.state.engine_info
+                self.state.embedder = self.state.embed_batcher = LLMEmbedder(
+                    inner, name=info.name, architecture=info.architecture, dtype=info.dtype, device=info.device)
+                bar.update()
+            elif self.server_config.embedding_model != "":
                 bar.set_postfix_str(stages[-1])
                 self.state.embedder = await _in_daemon_thread(_load_embedder, self.server_config.embedding_model)
                 from ..engine.embed_batcher import EmbedBatcher, default_num_threads
