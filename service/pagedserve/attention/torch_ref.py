@@ -69,7 +69,7 @@ class Workspace:
         return self._k[:numel].view(shape), self._v[:numel].view(shape)
 
 
-DECODE_GROUP_OVERHEAD_ROWS = 256  # a decode group costs about as much fixed time as this many padded K/V rows
+DECODE_GROUP_OVERHEAD_ROWS = 1024  # fixed cost of one more decode group, in padded K/V rows (measured on CPU)
 
 
 @dataclass(slots=True)
@@ -182,11 +182,12 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         else:
             k = gather_kv(k_cache, meta.block_tables[i], ctx_len)
             v = gather_kv(v_cache, meta.block_tables[i], ctx_len)
+        # 4-D inputs: torch's CPU flash kernel takes only those (3-D ones fall back to the unfused math path).
         o = F.scaled_dot_product_attention(
-            query[a:b].transpose(0, 1).to(compute_dtype), k.transpose(0, 1).to(compute_dtype),
-            v.transpose(0, 1).to(compute_dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
+            query[a:b].transpose(0, 1)[None].to(compute_dtype), k.transpose(0, 1)[None].to(compute_dtype),
+            v.transpose(0, 1)[None].to(compute_dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=gqa)
-        out[a:b] = o.transpose(0, 1).to(query.dtype)
+        out[a:b] = o[0].transpose(0, 1).to(query.dtype)
     return out
 
 
