@@ -99,12 +99,13 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
 
 
-def load_hf_model():
-    """HF transformers' causal LM from the embedded GGUF, dequantized to float32, in eval mode."""
+def load_hf_model(dtype: str = "float32"):
+    """HF transformers' causal LM from the embedded GGUF, dequantized to ``dtype`` (a torch dtype name), in eval
+    mode."""
     import torch
     from transformers import AutoModelForCausalLM
     directory, gguf_file = model_location()
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=getattr(torch, dtype))
     return model.eval()
 
 

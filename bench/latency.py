@@ -24,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default=common.QUICK_PROMPTS[0], help="user message of the chat prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights / activations dtype of both systems (the server gets --dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads for both")
     p.add_argument("--server-arg", action="append", default=[], help="extra `pagedserve serve` flag (repeatable)")
     p.add_argument("--skip-hf", action="store_true")
@@ -52,7 +54,7 @@ def ours_once(client, request: common.BenchRequest) -> tuple[common.StreamRecord
 def bench_ours(args, request, warmup) -> tuple[list[common.StreamRecord], list[int]]:
     from pagedserve_client import PagedServeClient
 
-    with common.ServerProcess(args.threads, list(args.server_arg)) as server:
+    with common.ServerProcess(args.threads, ["--dtype", args.dtype, *args.server_arg]) as server:
         with PagedServeClient(server.target, timeout_s=600) as client:
             ours_once(client, warmup)
             runs = [ours_once(client, request) for _ in range(args.repeats)]
@@ -60,7 +62,7 @@ def bench_ours(args, request, warmup) -> tuple[list[common.StreamRecord], list[i
 
 
 def bench_hf(args, request, warmup, pad_id: int) -> tuple[list[common.StreamRecord], list[int]]:
-    model = common.load_hf_model()
+    model = common.load_hf_model(args.dtype)
     common.hf_generate(model, [warmup], pad_id, warmup.max_new_tokens)
     records, token_ids = [], []
     for _ in range(args.repeats):
@@ -100,11 +102,11 @@ def main(argv=None) -> int:
         results["hf"] = summary(records)
     print(f"\nprompt {len(request.prompt_token_ids)} tokens, {args.max_new_tokens} new tokens, greedy, "
           f"median of {args.repeats} runs")
-    print("threads: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(f"dtype: {args.dtype} (both systems); threads: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(f"{'system':<6} {'TTFT ms':>9} {'TPOT ms':>9} {'e2e s':>8}")
     for name, r in results.items():
         print(f"{name:<6} {r['ttft_ms']:>9.1f} {r['tpot_ms']:>9.2f} {r['e2e_s']:>8.2f}")
-    report = {"threads": settings, "prompt_tokens": len(request.prompt_token_ids), "results": results}
+    report = {"dtype": args.dtype, "threads": settings, "prompt_tokens": len(request.prompt_token_ids), "results": results}
     if len(results) == 2:
         report["tpot_ratio_ours_over_hf"] = results["ours"]["tpot_ms"] / results["hf"]["tpot_ms"]
         report["same_tokens_prefix"] = common_prefix_len(tokens["ours"], tokens["hf"])

@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-single-subset", type=int, default=4, help="requests HF runs one at a time (0: skip)")
     p.add_argument("--skip-hf", action="store_true", help="measure only our server")
     p.add_argument("--skip-ours", action="store_true", help="measure only HF transformers")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights / activations dtype of both systems (the server gets --dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads for every system")
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to the server")
     p.add_argument("--server-arg", action="append", default=[], help="extra `pagedserve serve` flag (repeatable)")
@@ -49,7 +51,7 @@ def build_workload(args, tokenizer) -> list[common.BenchRequest]:
 
 
 def bench_ours(args, requests, tokenizer) -> dict:
-    extra = list(args.server_arg)
+    extra = ["--dtype", args.dtype, *args.server_arg]
     if args.max_num_seqs is not None:
         extra += ["--max-num-seqs", str(args.max_num_seqs)]
     concurrency = args.concurrency or len(requests)
@@ -97,7 +99,7 @@ def bench_hf_single(model, requests, pad_id: int) -> dict:
 
 def bench_hf(args, requests, tokenizer) -> list[dict]:
     t0 = time.perf_counter()
-    model = common.load_hf_model()
+    model = common.load_hf_model(args.dtype)
     load_s = time.perf_counter() - t0
     pad_id = common.pad_id_of(tokenizer)
     common.hf_generate(model, [common.warmup_request(tokenizer)], pad_id, 8)
@@ -117,7 +119,7 @@ def print_report(args, requests, settings: dict, results: list[dict]) -> dict:
     prompt_lens = [len(r.prompt_token_ids) for r in requests]
     print(f"\nworkload {args.workload}: {len(requests)} requests, prompt tokens {min(prompt_lens)}..{max(prompt_lens)}"
           f" (total {sum(prompt_lens)}), output tokens total {sum(r.max_new_tokens for r in requests)}")
-    print("threads: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(f"dtype: {args.dtype} (both systems); threads: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     head = f"{'system':<11} {'reqs':>4} {'out tok':>7} {'wall s':>8} {'tok/s':>8} " \
            f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}  (ms)"
     print(head)
