@@ -79,7 +79,7 @@ def _long_text(embedder, min_tokens: int) -> str:
 def test_properties(embedder, model_dir):
     assert (embedder.name, embedder.architecture, embedder.dtype) == (model_dir, "BertModel", "float32")
     assert (embedder.max_input_tokens, embedder.dimension, embedder.pooling) == (256, 384, "mean")
-    assert embedder.normalize_module and embedder.max_batch_tokens == 8192
+    assert embedder.normalize_module and embedder.max_batch_tokens == 2048
 
 
 def test_matches_sentence_transformers(st_model, full_vectors):

@@ -55,7 +55,7 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
                    help="HF / sentence-transformers directory (default: the embedded all-MiniLM-L6-v2), or 'llm': "
                         "embed with --model itself, last-token pooling through the generation engine's prefill")
     s.add_argument("--no-embedding-model", action="store_true", help="serve no embedding model")
-    s.add_argument("--max-embed-batch-tokens", type=int, default=8192,
+    s.add_argument("--max-embed-batch-tokens", type=int, default=2048,
                    help="padded tokens (rows * longest input) per embedding micro-batch; inputs of concurrent "
                         "Embed calls share micro-batches grouped by length")
     s.add_argument("--embed-threads", type=int, default=None,

@@ -103,7 +103,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     embedding_model: str | None = None
-    max_embed_batch_tokens: int = 8192
+    max_embed_batch_tokens: int = 2048
     embed_threads: int | None = None
     generation: bool = True
     shutdown_grace_s: float = 10.0

@@ -110,7 +110,7 @@ class EmbedBatcher:
             process setting of before.
     """
 
-    def __init__(self, embedder: Embedder, max_batch_tokens: int = 8192, *, max_padding_fraction: float = 0.5,
+    def __init__(self, embedder: Embedder, max_batch_tokens: int = 2048, *, max_padding_fraction: float = 0.5,
                  small_batch_tokens: int = 128, tokenize_executor: concurrent.futures.Executor | None = None,
                  num_threads: int | None = None):
         if max_batch_tokens <= 0:

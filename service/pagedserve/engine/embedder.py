@@ -137,7 +137,7 @@ class Embedder:
     """
 
     def __init__(self, model: BertEncoder, tokenizer, *, name: str, pooling: str, normalize_module: bool,
-                 max_input_tokens: int, do_lower_case: bool = False, max_batch_tokens: int = 8192):
+                 max_input_tokens: int, do_lower_case: bool = False, max_batch_tokens: int = 2048):
         if pooling not in POOLING_MODES:
             raise ValueError(f"pooling {pooling!r} is not one of {POOLING_MODES}")
         if not 0 < max_input_tokens <= model.config.max_input_tokens:
@@ -155,7 +155,7 @@ class Embedder:
 
     @classmethod
     def from_pretrained(cls, path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                        *, max_batch_tokens: int = 8192, name: str | None = None) -> Embedder:
+                        *, max_batch_tokens: int = 2048, name: str | None = None) -> Embedder:
         """Load a HF or sentence-transformers model directory (BERT family, safetensors weights).
 
         ``max_input_tokens`` is sentence_bert_config.json's ``max_seq_length`` (else the tokenizer's
