@@ -92,9 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     emb = sub.add_parser("embed", help="embed texts; prints JSON vectors")
     emb.add_argument("texts", nargs="+", metavar="TEXT")
-    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None)
-    emb.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None)
-    emb.add_argument("--dimensions", type=int, default=None)
+    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                     help="L2-normalize each vector (server default: on)")
+    emb.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
+                     help="keep the first tokens of an input longer than the model's limit (server default: off, "
+                          "such an input is INVALID_ARGUMENT)")
+    emb.add_argument("--dimensions", type=int, default=None,
+                     help="keep the first K dimensions, then normalize (default: all)")
 
     tok = sub.add_parser("tokenize", help="text to token ids (JSON)")
     tok.add_argument("text")
