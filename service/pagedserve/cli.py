@@ -52,8 +52,9 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None,
                    help="HF model directory or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--embedding-model", default=None,
-                   help="HF / sentence-transformers directory (default: the embedded all-MiniLM-L6-v2), or 'llm': "
-                        "embed with --model itself, last-token pooling through the generation engine's prefill")
+                   help="HF / sentence-transformers directory (default: the embedded all-MiniLM-L6-v2): a BERT-family "
+                        "encoder, or a decoder (Llama-family) embedding model, served by an engine of its own with "
+                        "last-token pooling; or 'llm': embed with --model itself through the generation engine")
     s.add_argument("--no-embedding-model", action="store_true", help="serve no embedding model")
     s.add_argument("--max-embed-batch-tokens", type=int, default=2048,
                    help="padded tokens (rows * longest input) per embedding micro-batch; inputs of concurrent "

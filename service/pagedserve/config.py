@@ -77,8 +77,9 @@ class ServerConfig:
 
     Attributes:
         host, port: where to listen (port 0 picks a free port).
-        embedding_model: HF/sentence-transformers directory; None for the embedded all-MiniLM-L6-v2; "" for none;
-            "llm" to embed with the generation model (last-token pooling through its engine).
+        embedding_model: HF/sentence-transformers directory (a BERT-family encoder, or a decoder embedding model
+            served by an engine of its own); None for the embedded all-MiniLM-L6-v2; "" for none; "llm" to embed
+            with the generation model (last-token pooling through its engine).
         max_embed_batch_tokens: padded tokens (rows * longest input) per embedding micro-batch, across calls.
         embed_threads: torch intra-op threads of the embedding worker; None: half of torch's threads when a
             generation model shares the CPU, else torch's setting (engine.embed_batcher.default_num_threads).

@@ -6,17 +6,25 @@ of its last token (last-token pooling, as decoder embedding models such as E5-Mi
 sentence-transformers ``pooling_mode_lasttoken`` semantics). Nothing is sampled and its KV blocks are freed (and
 stay reusable through the prefix cache) when its prompt is done.
 
-Served with ``--embedding-model llm`` (the ``--model`` itself).
+Served with ``--embedding-model llm`` (the ``--model`` itself), or with ``--embedding-model DIR`` for a decoder
+embedding model directory (HF config with a registered causal-LM architecture, optionally a sentence-transformers
+``modules.json`` asking for lasttoken pooling), which gets an engine of its own (:func:`build_decoder_embedder`).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import os
 import uuid
 
 import torch
 
+from ..config import EngineConfig
 from ..errors import InvalidInputError
-from .embedder import EmbedResult, Embedder
+from .embedder import EmbedResult, Embedder, SentenceTransformersConfig, read_sentence_transformers_config
+
+DECODER_EMBEDDING_KV_CACHE_BYTES = 256 * 2 ** 20  # a pooling request frees its blocks once its prompt is done
 
 
 class LLMEmbedder:
@@ -37,13 +45,15 @@ class LLMEmbedder:
 
     pooling = "lasttoken"
 
-    def __init__(self, engine, *, name: str, architecture: str, dtype: str, device, normalize_module: bool = True):
+    def __init__(self, engine, *, name: str, architecture: str, dtype: str, device, normalize_module: bool = True,
+                 max_input_tokens: int | None = None, owns_engine: bool = False):
         self._engine = engine
+        self._owns_engine = owns_engine
         inner = engine.engine
         self.tokenizer = inner.tokenizer
         self.name, self.architecture, self.dtype, self.device = name, architecture, dtype, torch.device(device)
         self.normalize_module = normalize_module
-        self.max_input_tokens = inner.max_model_len
+        self.max_input_tokens = min(max_input_tokens or inner.max_model_len, inner.max_model_len)
         self.dimension = int(inner.runner.model.config.hidden_size)
 
     def check_dimensions(self, dimensions: int | None) -> None:
@@ -101,4 +111,56 @@ class LLMEmbedder:
         return EmbedResult(Embedder.finish(vectors, normalize, dimensions), sum(map(len, token_ids)))
 
     def close(self) -> None:
-        """Nothing of its own to stop: the engine's shutdown ends its requests."""
+        """Nothing to do synchronously: see :meth:`aclose`."""
+
+    async def aclose(self) -> None:
+        """Stop the engine when it is this embedder's own (a decoder embedding directory), not the generation one."""
+        if self._owns_engine:
+            await self._engine.shutdown()
+
+
+def decoder_embedding_config(path: str) -> SentenceTransformersConfig | None:
+    """The pipeline of a decoder embedding model directory, or None when ``path`` is not one (no config.json, or
+    an architecture that is not a registered causal LM: e.g. a BERT encoder).
+
+    Without ``modules.json`` the pooling is lasttoken and there is no Normalize module.
+
+    Raises:
+        ValueError: the sentence-transformers pipeline asks for a pooling other than lasttoken (mean or CLS over a
+            decoder would need the hidden states of prefix-cached tokens, which are not recomputed).
+    """
+    from ..models.registry import MODEL_REGISTRY
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    st = read_sentence_transformers_config(path)
+    with open(os.path.join(st.model_dir, "config.json")) as f:
+        architectures = json.load(f).get("architectures") or []
+    if not architectures or architectures[0] not in MODEL_REGISTRY:
+        return None
+    if not os.path.isfile(os.path.join(path, "modules.json")):
+        return dataclasses.replace(st, pooling="lasttoken", normalize=False)
+    if st.pooling != "lasttoken":
+        raise ValueError(f"{path}: decoder embedding models support lasttoken pooling only, not {st.pooling!r}")
+    return st
+
+
+def build_decoder_engine(st: SentenceTransformersConfig, base: EngineConfig | None):
+    """Build (on the calling thread) the engine of a decoder embedding model: ``base``'s device, dtype and
+    attention backend (defaults when None), its own KV cache of :data:`DECODER_EMBEDDING_KV_CACHE_BYTES`.
+
+    Returns:
+        ``(LLMEngine, EngineInfo)`` from :func:`pagedserve.engine.builder.build_engine`, warmed up.
+    """
+    from .builder import build_engine
+
+    base = base or EngineConfig()
+    config = dataclasses.replace(base, model=st.model_dir, max_model_len=None, num_kv_blocks=None,
+                                 kv_cache_memory_bytes=DECODER_EMBEDDING_KV_CACHE_BYTES)
+    engine, info = build_engine(config)
+    engine.add_pooling_request("__warmup__", [0, 1, 2])
+    while engine.has_unfinished():
+        engine.step()
+    engine.kv_cache.reset_stats()
+    return engine, info

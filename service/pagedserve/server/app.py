@@ -7,6 +7,7 @@ is NOT_SERVING until the models are loaded and warmed up, and again once shutdow
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -110,6 +111,19 @@ class App:
                 self.state.embedder = self.state.embed_batcher = LLMEmbedder(
                     inner, name=info.name, architecture=info.architecture, dtype=info.dtype, device=info.device)
                 bar.update()
+            elif self.server_config.embedding_model and \
+                    (decoder := await _in_daemon_thread(_decoder_embedding, self.server_config.embedding_model)):
+                bar.set_postfix_str(stages[-1])
+                from ..engine.llm_embedder import LLMEmbedder, build_decoder_engine
+
+                engine, emb_info = await _in_daemon_thread(build_decoder_engine, decoder, self.engine_config)
+                emb_engine = AsyncEngine(engine)
+                emb_engine.start()
+                self.state.embedder = self.state.embed_batcher = LLMEmbedder(
+                    emb_engine, name=self.server_config.embedding_model, architecture=emb_info.architecture,
+                    dtype=emb_info.dtype, device=emb_info.device, normalize_module=decoder.normalize,
+                    max_input_tokens=decoder.max_seq_length, owns_engine=True)
+                bar.update()
             elif self.server_config.embedding_model != "":
                 bar.set_postfix_str(stages[-1])
                 self.state.embedder = await _in_daemon_thread(_load_embedder, self.server_config.embedding_model)
@@ -165,6 +179,8 @@ class App:
         await self.server.stop(FLUSH_S)
         if self.state.embed_batcher is not None:
             self.state.embed_batcher.close()
+            if hasattr(self.state.embed_batcher, "aclose"):  # a decoder embedding model's own engine
+                await self.state.embed_batcher.aclose()
         self.state.embed_executor.shutdown(wait=False, cancel_futures=True)
         self.metrics.stop_http()
         log.info("server_stopped", calls_cut_at_grace_end=cut)
@@ -201,6 +217,13 @@ def _warm_up(engine) -> None:
     while engine.has_unfinished():
         engine.step()
     engine.kv_cache.reset_stats()
+
+
+def _decoder_embedding(path: str):
+    """sentence-transformers pipeline of ``path`` when it is a decoder embedding model directory, else None."""
+    from ..engine.llm_embedder import decoder_embedding_config
+
+    return decoder_embedding_config(path) if os.path.isdir(path) else None
 
 
 def _load_embedder(path: str | None):
