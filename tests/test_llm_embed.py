@@ -86,7 +86,7 @@ def test_pooling_request_validation_names_the_field(make_engine):
 @pytest.fixture(scope="module")
 def llm_embed_server(server):
     with server_sharing_model(server, embedding_model="llm", num_kv_blocks=512, max_num_seqs=16,
-                              max_num_batched_tokens=256, max_model_len=512) as s:
+                              max_num_batched_tokens=256, max_model_len=512, max_waiting_requests=8) as s:
         yield s
 
 
@@ -155,3 +155,15 @@ async def _cancel_scenario(s) -> None:
         assert len(ok.embeddings) == 1
         tokens = [r async for r in gen]
         assert sum(len(r.token_ids) for r in tokens) == 40
+
+
+def test_a_call_with_more_inputs_than_the_waiting_queue_holds(llm_embed_server):
+    """40 texts against a waiting queue of 8: the embedder feeds them gradually; every vector in its place."""
+    from pagedserve_client import PagedServeClient
+
+    texts = [f"sentence number {i} about {'blocks' if i % 2 else 'tokens'}" for i in range(40)]
+    with PagedServeClient(llm_embed_server.target, timeout_s=300) as client:
+        together = np.array([e.values for e in client.embed(texts).embeddings])
+        alone = np.array([client.embed([texts[i]]).embeddings[0].values for i in (0, 17, 39)])
+    assert together.shape == (40, 576)
+    np.testing.assert_allclose(together[[0, 17, 39]], alone, atol=1e-4)

@@ -25,6 +25,7 @@ from ..errors import InvalidInputError
 from .embedder import EmbedResult, Embedder, SentenceTransformersConfig, read_sentence_transformers_config
 
 DECODER_EMBEDDING_KV_CACHE_BYTES = 256 * 2 ** 20  # a pooling request frees its blocks once its prompt is done
+MAX_INPUTS_IN_FLIGHT = 256  # pooling requests one embedder keeps in the engine at once (at most half its queue)
 
 
 class LLMEmbedder:
@@ -54,6 +55,12 @@ class LLMEmbedder:
         self.name, self.architecture, self.dtype, self.device = name, architecture, dtype, torch.device(device)
         self.normalize_module = normalize_module
         self.max_input_tokens = min(max_input_tokens or inner.max_model_len, inner.max_model_len)
+        # Inputs in the engine at once, over all calls: a call with thousands of texts must not fill the engine's
+        # waiting queue (QueueFullError for everyone); the rest wait here.
+        waiting_cap = inner.config.max_waiting_requests
+        self.max_inputs_in_flight = min(MAX_INPUTS_IN_FLIGHT, max(1, waiting_cap // 2)) if waiting_cap else \
+            MAX_INPUTS_IN_FLIGHT
+        self._slots = asyncio.Semaphore(self.max_inputs_in_flight)
         self.dimension = int(inner.runner.model.config.hidden_size)
 
     def check_dimensions(self, dimensions: int | None) -> None:
@@ -96,7 +103,7 @@ class LLMEmbedder:
         self.check_dimensions(dimensions)
         token_ids = await asyncio.to_thread(self.tokenize, texts, truncate)  # long texts must not stall the loop
         call_id = uuid.uuid4().hex
-        tasks = [asyncio.ensure_future(self._engine.embed(f"embed-{call_id}-{i}", seq, field=f"inputs[{i}]"))
+        tasks = [asyncio.ensure_future(self._embed_one(f"embed-{call_id}-{i}", seq, f"inputs[{i}]"))
                  for i, seq in enumerate(token_ids)]
         try:
             outcomes = await asyncio.gather(*tasks)
@@ -109,6 +116,10 @@ class LLMEmbedder:
         if self.normalize_module:
             vectors = torch.nn.functional.normalize(vectors, p=2, dim=-1)
         return EmbedResult(Embedder.finish(vectors, normalize, dimensions), sum(map(len, token_ids)))
+
+    async def _embed_one(self, request_id: str, token_ids: list[int], field: str) -> tuple[torch.Tensor, object]:
+        async with self._slots:
+            return await self._engine.embed(request_id, token_ids, field=field)
 
     def close(self) -> None:
         """Nothing to do synchronously: see :meth:`aclose`."""
