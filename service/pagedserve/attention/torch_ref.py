@@ -156,12 +156,13 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     gqa = num_heads != num_kv_heads
     upcast = query.dtype in (torch.float16, torch.bfloat16) and query.device.type != "cpu"
     compute_dtype = torch.float32 if upcast else query.dtype
-    head_dim, block_size = query.shape[2], k_cache.shape[1]
+    head_dim = query.shape[2]
+    workspace = workspace or Workspace()
     for g in plan.decode_groups:
         n = g.end - g.start
         # Gather the group's blocks into reused buffers (index_select with out=: no fresh allocation per layer),
         # then view them [n, Hkv, S, D] without a copy.
-        k_rows, v_rows = (workspace or Workspace()).kv_buffers(g.tables.numel(), k_cache)
+        k_rows, v_rows = workspace.kv_buffers(g.tables.numel(), k_cache)
         torch.index_select(k_cache, 0, g.tables, out=k_rows)
         torch.index_select(v_cache, 0, g.tables, out=v_rows)
         k = k_rows.view(n, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)

@@ -129,6 +129,41 @@ def plan_micro_batches(lengths: list[int], max_batch_tokens: int) -> list[list[i
     return batches
 
 
+def tokenize_inputs(tokenizer, texts: list[str], limit: int, truncate: bool = False,
+                    lower_case: bool = False) -> list[list[int]]:
+    """Token ids per text with the model's special tokens (``add_special_tokens=True``), for the Embed API.
+
+    ``truncate`` keeps the first tokens so that each input is at most ``limit`` long, special tokens included (HF
+    tokenizer truncation, as sentence-transformers does); ``lower_case`` lowercases the texts first.
+
+    Raises:
+        InvalidInputError: field "inputs" for an empty list; "inputs[i]" for a non-string, a text that tokenizes to
+            nothing, or one longer than ``limit`` when ``truncate`` is false (the message gives both counts).
+    """
+    if not texts:
+        raise InvalidInputError("at least one input is required", field="inputs")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InvalidInputError(f"must be a string, got {type(text).__name__}", field=f"inputs[{i}]")
+    if lower_case:
+        texts = [t.lower() for t in texts]
+    ids = tokenizer(list(texts), add_special_tokens=True, truncation=truncate,
+                    max_length=limit if truncate else None, verbose=False)["input_ids"]
+    for i, seq in enumerate(ids):
+        if not seq:
+            raise InvalidInputError("tokenizes to no tokens", field=f"inputs[{i}]")
+        if len(seq) > limit:
+            raise InvalidInputError(f"input has {len(seq)} tokens, more than the model's limit of {limit} "
+                                    f"tokens (set truncate to keep the first {limit})", field=f"inputs[{i}]")
+    return ids
+
+
+def check_dimensions(dimensions: int | None, dimension: int) -> None:
+    """Raises InvalidInputError (field "dimensions") unless ``dimensions`` is None or in ``[1, dimension]``."""
+    if dimensions is not None and not 0 < dimensions <= dimension:
+        raise InvalidInputError(f"must be in [1, {dimension}], got {dimensions}", field="dimensions")
+
+
 class Embedder:
     """Embeds texts with a BERT encoder plus sentence-transformers pooling / normalization.
 
@@ -203,21 +238,7 @@ class Embedder:
             InvalidInputError: field "inputs" for an empty list; "inputs[i]" for a non-string, or for an input longer
                 than ``max_input_tokens`` when ``truncate`` is false (the message gives both counts).
         """
-        if not texts:
-            raise InvalidInputError("at least one input is required", field="inputs")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise InvalidInputError(f"must be a string, got {type(text).__name__}", field=f"inputs[{i}]")
-        if self._do_lower_case:
-            texts = [t.lower() for t in texts]
-        limit = self._max_input_tokens
-        ids = self._tokenizer(list(texts), add_special_tokens=True, truncation=truncate,
-                             max_length=limit if truncate else None, verbose=False)["input_ids"]
-        for i, seq in enumerate(ids):
-            if len(seq) > limit:
-                raise InvalidInputError(f"input has {len(seq)} tokens, more than the model's limit of {limit} "
-                                        f"tokens (set truncate to keep the first {limit})", field=f"inputs[{i}]")
-        return ids
+        return tokenize_inputs(self._tokenizer, texts, self._max_input_tokens, truncate, self._do_lower_case)
 
     def embed(self, texts: list[str], normalize: bool = True, truncate: bool = False,
               dimensions: int | None = None) -> EmbedResult:
@@ -260,8 +281,7 @@ class Embedder:
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """Raises InvalidInputError (field "dimensions") unless ``dimensions`` is None or in ``[1, dimension]``."""
-        if dimensions is not None and not 0 < dimensions <= self.dimension:
-            raise InvalidInputError(f"must be in [1, {self.dimension}], got {dimensions}", field="dimensions")
+        check_dimensions(dimensions, self.dimension)
 
     @staticmethod
     def finish(vectors: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:

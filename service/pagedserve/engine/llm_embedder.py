@@ -21,8 +21,8 @@ import uuid
 import torch
 
 from ..config import EngineConfig
-from ..errors import InvalidInputError
-from .embedder import EmbedResult, Embedder, SentenceTransformersConfig, read_sentence_transformers_config
+from .embedder import (EmbedResult, Embedder, SentenceTransformersConfig, check_dimensions,
+                       read_sentence_transformers_config, tokenize_inputs)
 
 DECODER_EMBEDDING_KV_CACHE_BYTES = 256 * 2 ** 20  # a pooling request frees its blocks once its prompt is done
 MAX_INPUTS_IN_FLIGHT = 256  # pooling requests one embedder keeps in the engine at once (at most half its queue)
@@ -65,31 +65,12 @@ class LLMEmbedder:
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """Raises InvalidInputError (field "dimensions") unless ``dimensions`` is None or in ``[1, dimension]``."""
-        if dimensions is not None and not 0 < dimensions <= self.dimension:
-            raise InvalidInputError(f"must be in [1, {self.dimension}], got {dimensions}", field="dimensions")
+        check_dimensions(dimensions, self.dimension)
 
     def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
-        """Token ids per text with the model's special tokens (``add_special_tokens=True``).
-
-        Raises:
-            InvalidInputError: "inputs" for an empty list; "inputs[i]" for a non-string, an empty tokenization, or
-                more than ``max_input_tokens`` tokens without ``truncate`` (with it, the first tokens are kept).
-        """
-        if not texts:
-            raise InvalidInputError("at least one input is required", field="inputs")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise InvalidInputError(f"must be a string, got {type(text).__name__}", field=f"inputs[{i}]")
-        limit = self.max_input_tokens
-        ids = self.tokenizer(list(texts), add_special_tokens=True, truncation=truncate,
-                             max_length=limit if truncate else None, verbose=False)["input_ids"]
-        for i, seq in enumerate(ids):
-            if not seq:
-                raise InvalidInputError("tokenizes to no tokens", field=f"inputs[{i}]")
-            if len(seq) > limit:
-                raise InvalidInputError(f"input has {len(seq)} tokens, more than the model's limit of {limit} "
-                                        f"tokens (set truncate to keep the first {limit})", field=f"inputs[{i}]")
-        return ids
+        """Token ids per text with the model's special tokens; see :func:`~pagedserve.engine.embedder.tokenize_inputs`
+        (limit ``max_input_tokens``) for truncation and the InvalidInputError raised."""
+        return tokenize_inputs(self.tokenizer, texts, self.max_input_tokens, truncate)
 
     async def embed(self, texts: list[str], normalize: bool = True, truncate: bool = False,
                     dimensions: int | None = None) -> EmbedResult:
@@ -162,16 +143,10 @@ def build_decoder_engine(st: SentenceTransformersConfig, base: EngineConfig | No
     attention backend (defaults when None), its own KV cache of :data:`DECODER_EMBEDDING_KV_CACHE_BYTES`.
 
     Returns:
-        ``(LLMEngine, EngineInfo)`` from :func:`pagedserve.engine.builder.build_engine`, warmed up.
+        ``(LLMEngine, EngineInfo)`` from :func:`pagedserve.engine.builder.build_engine` (not warmed up).
     """
     from .builder import build_engine
 
     base = base or EngineConfig()
-    config = dataclasses.replace(base, model=st.model_dir, max_model_len=None, num_kv_blocks=None,
-                                 kv_cache_memory_bytes=DECODER_EMBEDDING_KV_CACHE_BYTES)
-    engine, info = build_engine(config)
-    engine.add_pooling_request("__warmup__", [0, 1, 2])
-    while engine.has_unfinished():
-        engine.step()
-    engine.kv_cache.reset_stats()
-    return engine, info
+    return build_engine(dataclasses.replace(base, model=st.model_dir, max_model_len=None, num_kv_blocks=None,
+                                            kv_cache_memory_bytes=DECODER_EMBEDDING_KV_CACHE_BYTES))

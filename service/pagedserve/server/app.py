@@ -117,6 +117,7 @@ class App:
                 from ..engine.llm_embedder import LLMEmbedder, build_decoder_engine
 
                 engine, emb_info = await _in_daemon_thread(build_decoder_engine, decoder, self.engine_config)
+                await _in_daemon_thread(_warm_up, engine)
                 emb_engine = AsyncEngine(engine)
                 emb_engine.start()
                 self.state.embedder = self.state.embed_batcher = LLMEmbedder(
