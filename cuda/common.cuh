@@ -124,6 +124,16 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }
 
 // ---- PTX wrappers (sm_80+) --------------------------------------------------------------------------------------
+// tests/simt (the host emulator that runs these kernels on a CPU in make test) defines PAGEDSERVE_SIMT_HOST and
+// supplies its own versions of everything in this section, with the same semantics.
+#ifndef PAGEDSERVE_SIMT_HOST
+// Bytes of dynamic shared memory this launch was given.
+__device__ __forceinline__ unsigned int dynamic_smem_bytes() {
+  unsigned int bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+}
+
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
   return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
@@ -174,5 +184,6 @@ template <> __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#endif  // PAGEDSERVE_SIMT_HOST
 
 }  // namespace pagedserve

@@ -40,11 +40,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
   constexpr int kThreads = NUM_WARPS * 32, kS = L::kStages;
   constexpr int kStride = NUM_WARPS * L::kChunk;  // tokens between a warp's consecutive chunks
   extern __shared__ uint4 smem_ring[];
-  if (threadIdx.x == 0) {
-    unsigned int dyn_bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
-    if (dyn_bytes < (unsigned int)L::kSmemBytes) __trap();  // host / kernel layout mismatch
-  }
+  if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned int)L::kSmemBytes) __trap();  // host/kernel mismatch
 
   const int part = blockIdx.x, num_parts = gridDim.x, seq = blockIdx.z;
   const int group = num_heads / num_kv_heads;

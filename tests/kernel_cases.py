@@ -1,0 +1,138 @@
+"""Checks of each CUDA kernel against its torch reference (attention/torch_ref.py, ops.py), shared by the GPU tests
+(tests/gpu/test_kernels_gpu.py, large shapes on a real device) and the host-emulator tests
+(tests/test_kernels_simt.py, small shapes on CPU tensors). Each function takes the device and the shapes."""
+from __future__ import annotations
+
+import torch
+
+from pagedserve import kernel_geometry as geo
+from pagedserve import kernels, ops
+from pagedserve.attention import torch_ref
+from paged_batch import ATTN_TOL, blocks_needed, make_caches, make_meta, random_qkv
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (atol, rtol) of the elementwise kernels against ops.py, per dtype.
+ELEM_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
+
+
+def assert_attention_close(out, ref, dtype):
+    atol, rtol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def check_decode(device, dtype, head_dim, block_size, cases, max_seqs_256: int | None = None):
+    """``cases``: (context lengths, num_heads, num_kv_heads). Query rows are strided views of a fused QKV
+    projection, the output starts as NaN, block tables scatter each sequence over random physical blocks."""
+    for i, (ctx, heads, kv_heads) in enumerate(cases):
+        if head_dim == 256 and max_seqs_256 is not None:
+            ctx = ctx[:max_seqs_256]  # bounds the reference's dense gather
+        num_blocks = blocks_needed(ctx, block_size) + 3
+        k_cache, v_cache = make_caches(num_blocks, block_size, kv_heads, head_dim, dtype, device, seed=i)
+        meta = make_meta(ctx, [1] * len(ctx), block_size, num_blocks, device, seed=i)
+        query, _, _ = random_qkv(len(ctx), heads, kv_heads, head_dim, dtype, device, seed=100 + i)
+        scale = head_dim ** -0.5
+        out = torch.full_like(query, float("nan"))
+        kernels.paged_decode_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                       context_lens_cpu=ctx)
+        assert_attention_close(out, torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale), dtype)
+
+
+def check_decode_partitions(device, dtype, ctx, heads, kv_heads, head_dim, block_size, sizes, num_sms=132):
+    """The same batch through each forced split-K partition size in ``sizes`` (None: the automatic plan) equals
+    the reference; returns the automatic plan."""
+    num_blocks = blocks_needed(ctx, block_size) + 1
+    k_cache, v_cache = make_caches(num_blocks, block_size, kv_heads, head_dim, dtype, device, seed=7)
+    meta = make_meta(ctx, [1] * len(ctx), block_size, num_blocks, device, seed=7)
+    query = torch.randn(len(ctx), heads, head_dim, device=device).to(dtype)
+    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, 0.1)
+    name = geo.dtype_name(dtype)
+    auto = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, num_sms=num_sms)
+    for size in sizes:
+        plan = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, num_sms=num_sms,
+                               partition_size=size or auto.partition_size)
+        out = torch.empty_like(query)
+        kernels.paged_decode_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.1,
+                                       plan=plan)
+        assert_attention_close(out, ref, dtype)
+    return auto
+
+
+def check_prefill(device, dtype, head_dim, block_size, prefix, new, decode_ctx=(3000, 1), heads_kv=None):
+    """Decodes first (``decode_ctx``), then prefill chunks of ``new`` tokens after cached prefixes of ``prefix``
+    tokens; the decode rows of ``out`` must stay untouched."""
+    ctx = list(decode_ctx) + [p + n for p, n in zip(prefix, new)]
+    q_lens = [1] * len(decode_ctx) + list(new)
+    heads, kv_heads = heads_kv or ((8, 2) if head_dim == 256 else (12, 4))
+    num_blocks = blocks_needed(ctx, block_size) + 2
+    k_cache, v_cache = make_caches(num_blocks, block_size, kv_heads, head_dim, dtype, device, seed=head_dim)
+    meta = make_meta(ctx, q_lens, block_size, num_blocks, device, seed=block_size)
+    query, _, _ = random_qkv(sum(q_lens), heads, kv_heads, head_dim, dtype, device, seed=3)
+    scale = head_dim ** -0.5
+    out = torch.full_like(query, float("nan"))
+    nd = meta.num_decode_seqs
+    kernels.paged_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                    meta.query_start_loc, scale, seq_offset=nd, num_prefill_seqs=len(ctx) - nd,
+                                    max_query_len=meta.max_query_len)
+    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale)
+    assert torch.isnan(out[:nd]).all(), "decode rows are not the prefill kernel's to write"
+    assert_attention_close(out[nd:], ref[nd:], dtype)
+
+
+def check_reshape_and_cache(device, dtype):
+    heads, kv_heads, head_dim, bs, num_blocks = 8, 2, 128, 16, 40
+    key = random_qkv(50, heads, kv_heads, head_dim, dtype, device, seed=1)[1]
+    value = random_qkv(50, heads, kv_heads, head_dim, dtype, device, seed=2)[2]
+    slots = torch.randperm(num_blocks * bs, device=device)[:50]
+    slots[::7] = -1  # padding rows are skipped
+    k_ref, v_ref = make_caches(num_blocks, bs, kv_heads, head_dim, dtype, device, seed=3)
+    k_out, v_out = k_ref.clone(), v_ref.clone()
+    torch_ref.reshape_and_cache(key, value, k_ref, v_ref, slots)
+    kernels.reshape_and_cache(key, value, k_out, v_out, slots)
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+    # a contiguous key whose rows are not 16-byte multiples falls back to narrower copies
+    odd = torch.randn(50, 1, 66, device=device)[..., :64].to(dtype)
+    k2 = torch.zeros(4, 16, 1, 64, dtype=dtype, device=device)
+    v2 = torch.zeros(4, 16, 1, 64, dtype=dtype, device=device)
+    kernels.reshape_and_cache(odd, odd, k2, v2, torch.arange(50, device=device) + 3)
+    assert torch.equal(k2.view(64, 64)[3:53], odd[:, 0]) and torch.equal(v2.view(64, 64)[3:53], odd[:, 0])
+
+
+def check_copy_blocks(device):
+    caches = [make_caches(20, 16, 4, 64, torch.bfloat16, device, seed=i) for i in range(3)]
+    ks, vs = [c[0] for c in caches], [c[1] for c in caches]
+    mapping = torch.tensor([[0, 5], [7, 1], [19, 2]], dtype=torch.int64, device=device)
+    expect_k = [k.clone() for k in ks]
+    expect_v = [v.clone() for v in vs]
+    for src, dst in mapping.tolist():
+        for k, v in zip(expect_k, expect_v):
+            k[dst], v[dst] = k[src], v[src]
+    kernels.copy_blocks(ks, vs, mapping)
+    assert all(torch.equal(a, b) for a, b in zip(ks + vs, expect_k + expect_v))
+
+
+def check_rms_norm(device, dtype, hidden, rows=37):
+    x = torch.randn(rows, hidden, device=device).to(dtype)
+    residual = torch.randn(rows, hidden, device=device).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    atol, rtol = ELEM_TOL[dtype]
+    for res in (None, residual):
+        normed, new_res = kernels.rms_norm(x, weight, 1e-6, res)
+        ref_normed, ref_res = ops.rms_norm(x, weight, 1e-6, res)
+        torch.testing.assert_close(normed, ref_normed, atol=atol, rtol=rtol)
+        assert torch.equal(new_res, ref_res)
+
+
+def check_rotary(device, dtype, head_dim, is_neox, tokens=33):
+    table = ops.rotary_cos_sin_cache(head_dim, 4096, 10000.0, device)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    q, k, _ = random_qkv(tokens, 8, 2, head_dim, dtype, device, seed=5)  # strided views, as in the model
+    atol, rtol = ELEM_TOL[dtype]
+    for x in (q, k):
+        torch.testing.assert_close(kernels.rotary_embedding(positions, x, table, is_neox),
+                                   ops.rotary_embedding(positions, x, table, is_neox), atol=atol, rtol=rtol)
+
+
+def check_silu_and_mul(device, dtype, shape):
+    x = (3 * torch.randn(shape, device=device)).to(dtype)
+    atol, rtol = ELEM_TOL[dtype]
+    torch.testing.assert_close(kernels.silu_and_mul(x), ops.silu_and_mul(x), atol=atol, rtol=rtol)

@@ -1,0 +1,174 @@
+"""Host emulator for the CUDA kernels of ``cuda/`` (see simt_host.hpp for what it emulates).
+
+:class:`Simulator` compiles one kernel instantiation at a time with g++ (the same source text NVRTC gets, from
+:func:`pagedserve.kernel_build.load_source`, with ``extern __shared__`` arrays turned into pointers to the emulated
+dynamic shared memory), caches the shared library on disk by the hash of its source, and runs it on CPU tensors
+with the exact argument tuple and launch geometry :mod:`pagedserve.kernels` computes. :meth:`Simulator.patch`
+swaps the launch, device check and SM count of :mod:`pagedserve.kernels`, so its public launchers (argument
+checks, plans, split-K scratch buffers and all) run unchanged on CPU tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedserve import kernel_build
+from pagedserve.kernel_build import ModuleKey
+
+HERE = Path(__file__).resolve().parent
+_EXTERN_SHARED_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
+CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
+             "-Wno-attributes", "-DPAGEDSERVE_SIMT_HOST=1", "-DNDEBUG")
+
+
+class SimtError(RuntimeError):
+    """The emulator stopped a kernel: deadlock, divergent warp collective, bad shared-memory address, __trap()."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use (``$CXX`` or g++), or None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("PAGEDSERVE_SIMT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve", "simt")
+    return Path(base)
+
+
+def translation_unit(source: str, names: tuple[str, ...]) -> str:
+    """C++ for kernel ``source`` (CUDA text, includes inlined): the emulator header, the source with ``extern
+    __shared__`` arrays pointed at the emulated dynamic shared memory, and an entry point ``simt_entry_<i>`` per
+    template instantiation ``names[i]``."""
+    source = _EXTERN_SHARED_RE.sub(r"\1* \2 = reinterpret_cast<\1*>(::simt::dynamic_smem());", source)
+    entries = [
+        f'extern "C" __attribute__((visibility("default"))) int simt_entry_{i}(const std::uint64_t* slots, '
+        "int num_slots, const unsigned* geometry, std::size_t smem, int workers, char* err, std::size_t err_len) {\n"
+        f"  return ::simt::launch(&{name}, slots, num_slots, geometry, smem, workers, err, err_len);\n}}\n"
+        for i, name in enumerate(names)]
+    return '#include "simt_host.hpp"\n' + source + "\n" + "".join(entries)
+
+
+def build(source: str, names: tuple[str, ...], label: str) -> ctypes.CDLL:
+    """Compile kernel ``source`` with entry points for ``names`` into a shared library (cached on disk by the hash
+    of everything that goes into it) and load it. Raises SimtError when g++ is missing or fails."""
+    cxx = compiler()
+    if cxx is None:
+        raise SimtError("no C++ compiler (g++) found")
+    unit = translation_unit(source, names)
+    includes = [str(HERE / "include"), str(HERE), *kernel_build.cuda_include_dirs()]
+    digest = hashlib.sha256("\0".join([unit, *CXX_FLAGS, *includes, (HERE / "simt_host.hpp").read_text(),
+                                       cxx]).encode()).hexdigest()[:24]
+    target = cache_dir() / f"{digest}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src = Path(tmp) / "kernel.cpp"
+            src.write_text(unit)
+            out = Path(tmp) / "kernel.so"
+            proc = subprocess.run([cxx, *CXX_FLAGS, *(f"-I{d}" for d in includes), str(src), "-o", str(out),
+                                   "-lpthread"], capture_output=True, text=True)
+            if proc.returncode:
+                raise SimtError(f"g++ failed for {label}:\n{proc.stderr[-6000:]}")
+            os.replace(out, target)
+    lib = ctypes.CDLL(str(target))
+    for i in range(len(names)):
+        entry = getattr(lib, f"simt_entry_{i}")
+        entry.restype = ctypes.c_int
+        entry.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.POINTER(ctypes.c_uint),
+                          ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    return lib
+
+
+def run(entry, label: str, grid, block, args, smem_bytes: int, workers: int) -> None:
+    """Call one entry point: ``args`` are numpy scalars (pointers as ``np.uint64`` addresses)."""
+    slots = (ctypes.c_uint64 * max(1, len(args)))()
+    for i, a in enumerate(args):
+        raw = np.asarray(a).tobytes()
+        if len(raw) > 8:
+            raise SimtError(f"argument {i} of {label} is {len(raw)} bytes")
+        slots[i] = int.from_bytes(raw.ljust(8, b"\0"), "little")
+    geometry = (ctypes.c_uint * 6)(*grid, *block)
+    err = ctypes.create_string_buffer(2048)
+    if entry(slots, len(args), geometry, smem_bytes, workers, err, len(err)):
+        raise SimtError(f"{label}: {err.value.decode(errors='replace')}")
+
+
+class Simulator:
+    """Compiles and runs kernel instantiations on the CPU.
+
+    Args:
+        workers: OS threads that run blocks in parallel (default: the CPU count).
+        num_sms: the SM count the split-K planner is told (132, an H100/H200, by default).
+        transform: applied to each kernel source before compiling (tests use it to plant a bug).
+    """
+
+    def __init__(self, workers: int | None = None, num_sms: int = 132, transform=None):
+        self.workers = workers or os.cpu_count() or 1
+        self.num_sms = num_sms
+        self.transform = transform
+        self._libs: dict[ModuleKey, ctypes.CDLL] = {}
+        self._lock = threading.Lock()
+        self.launches: list[tuple[str, tuple, tuple, int]] = []  # (name, grid, block, smem) of every launch
+
+    def library(self, key: ModuleKey) -> ctypes.CDLL:
+        """Module ``key`` compiled for the host: every name expression of the key, as on the GPU."""
+        with self._lock:
+            lib = self._libs.get(key)
+        if lib is None:
+            source = kernel_build.load_source(key.source_file)
+            if self.transform is not None:
+                source = self.transform(source)
+            lib = build(source, key.name_expressions(), str(key))
+            with self._lock:
+                self._libs[key] = lib
+        return lib
+
+    def launch(self, key: ModuleKey, name: str, device, grid, block, args, smem_bytes: int = 0) -> None:
+        """Same signature as :func:`pagedserve.kernel_launch.launch`, for CPU tensors."""
+        names = key.name_expressions()
+        if name not in names:
+            raise SimtError(f"{name} is not an instantiation of module {key}")
+        entry = getattr(self.library(key), f"simt_entry_{names.index(name)}")
+        self.launches.append((name, tuple(grid), tuple(block), smem_bytes))
+        run(entry, name, grid, block, args, smem_bytes, self.workers)
+
+    def precompile(self, keys: list[ModuleKey], jobs: int | None = None) -> None:
+        """Compile several modules in parallel (g++ runs in subprocesses)."""
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            list(pool.map(self.library, keys))
+
+    @contextlib.contextmanager
+    def patch(self):
+        """Route :mod:`pagedserve.kernels` launches to this emulator, for CPU tensors, inside the block."""
+        from pagedserve import kernels
+
+        def check_cpu(**tensors: torch.Tensor) -> torch.device:
+            for arg, t in tensors.items():
+                if t.device.type != "cpu":
+                    raise ValueError(f"{arg}: the emulator runs on CPU tensors, got device {t.device}")
+            return torch.device("cpu")
+
+        def module_key(device, family, dtype=None, head_dim=None, block_size=None) -> ModuleKey:
+            return ModuleKey(family, dtype, head_dim, block_size, "simt")
+
+        saved = {n: getattr(kernels, n) for n in ("launch", "check_cuda", "_key", "num_sms")}
+        kernels.launch, kernels.check_cuda, kernels._key = self.launch, check_cpu, module_key
+        kernels.num_sms = lambda index: self.num_sms
+        try:
+            yield self
+        finally:
+            for n, v in saved.items():
+                setattr(kernels, n, v)

@@ -1,0 +1,148 @@
+"""The CUDA kernels of cuda/ run on the CPU through the host emulator (tests/simt) and checked against their torch
+references: the same checks as the GPU tests (tests/kernel_cases.py) on smaller shapes, through the public
+launchers of pagedserve.kernels (argument checks, split-K plans, launch geometry and all). The emulator runs the
+kernels' own code (warp shuffles, ldmatrix and mma fragment layouts, cp.async pipelines, shared-memory layouts),
+not a model of it; what it cannot show (timing, races between threads of a block) is said in simt_host.hpp."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import kernel_cases as kc
+from pagedserve import kernel_geometry as geo
+from pagedserve.kernel_build import ModuleKey
+from simt import Simulator, SimtError, compiler
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="needs g++ for the host emulator")
+
+CPU = torch.device("cpu")
+# (context lengths, num_heads, num_kv_heads): GQA ratios 1, 4 (tile 4), 8, 3 (tile 4 with 1 head unused),
+# 16 (two tiles of 8 per KV head); contexts 1, block-boundary +/- 1, ragged, one past the split-K threshold.
+DECODE_CASES = [
+    ([1, 16, 17, 33], 4, 4),
+    ([random.Random(1).randint(1, 200) for _ in range(12)], 8, 2),
+    ([1, 31, 700], 8, 1),
+    ([77, 160, 3], 9, 3),
+    ([300, 31], 32, 2),
+]
+# (dtype, head_dim, block_size): every dtype and head dim, and both block sizes.
+DECODE_CONFIGS = [(d, 128, 16) for d in kc.DTYPES] + [(d, hd, 32) for d in kc.DTYPES for hd in (64, 256)]
+PREFILL_CONFIGS = [(d, hd, 16) for d in kc.DTYPES for hd in (64, 128, 256)] + [
+    (torch.float16, 128, 32), (torch.bfloat16, 64, 32), (torch.float32, 128, 32)]
+
+
+def module_keys() -> list[ModuleKey]:
+    keys = {ModuleKey("decode", geo.dtype_name(d), hd, bs, "simt") for d, hd, bs in DECODE_CONFIGS}
+    keys |= {ModuleKey("prefill", geo.dtype_name(d), hd, bs, "simt") for d, hd, bs in PREFILL_CONFIGS}
+    keys |= {ModuleKey("elementwise", geo.dtype_name(d), arch="simt") for d in kc.DTYPES}
+    keys.add(ModuleKey("cache", arch="simt"))
+    return sorted(keys, key=str)
+
+
+@pytest.fixture(scope="module")
+def sim():
+    s = Simulator()
+    s.precompile(module_keys())  # g++ in parallel, cached on disk by source hash
+    with s.patch():
+        yield s
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size", DECODE_CONFIGS, ids=str)
+def test_decode_matches_reference(sim, dtype, head_dim, block_size):
+    cases = DECODE_CASES if head_dim == 128 else DECODE_CASES[1:3]
+    kc.check_decode(CPU, dtype, head_dim, block_size, cases)
+
+
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_decode_split_k_partitions_agree(sim, dtype):
+    """Forced 32- and 128-token partitions (several partial results merged by log-sum-exp), the automatic plan
+    for 132 SMs (which splits the 1500-token context) and a single partition all equal the reference."""
+    auto = kc.check_decode_partitions(CPU, dtype, [1, 31, 32, 33, 1500, 600], 8, 2, 128, 16, (32, 128, None, 1504))
+    assert auto.num_partitions > 1
+    launched = [name for name, *_ in sim.launches]
+    assert any(name.startswith("paged_decode_merge_kernel") for name in launched)
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_size", PREFILL_CONFIGS, ids=str)
+def test_prefill_matches_reference(sim, dtype, head_dim, block_size):
+    """Prefill chunks after cached prefixes (block-aligned, unaligned, none), a chunk longer than one 64-row tile,
+    and a one-token chunk that follows prefills; two decode rows before them stay untouched."""
+    kc.check_prefill(CPU, dtype, head_dim, block_size, prefix=[2 * block_size, 33, 150, 0, 5],
+                     new=[70, 5, 130, 100, 1], decode_ctx=(300, 1), heads_kv=(4, 2))
+
+
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_reshape_and_cache_is_exact(sim, dtype):
+    kc.check_reshape_and_cache(CPU, dtype)
+
+
+def test_copy_blocks_is_exact(sim):
+    kc.check_copy_blocks(CPU)
+
+
+@pytest.mark.parametrize("hidden", [576, 100])
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_rms_norm(sim, dtype, hidden):
+    kc.check_rms_norm(CPU, dtype, hidden, rows=9)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_rotary_embedding(sim, dtype, is_neox):
+    kc.check_rotary(CPU, dtype, 64, is_neox, tokens=9)
+
+
+@pytest.mark.parametrize("shape", [(9, 2 * 1536), (5, 2 * 7)])
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_silu_and_mul(sim, dtype, shape):
+    kc.check_silu_and_mul(CPU, dtype, shape)
+
+
+# ---- the checks have teeth: a planted bug fails them ----------------------------------------------------------------
+def planted(old: str, new: str):
+    def transform(source: str) -> str:
+        if old not in source:  # not an AssertionError: the test must not pass because the bug was not planted
+            raise ValueError(f"{old!r} not in the kernel source")
+        return source.replace(old, new, 1)
+    return transform
+
+
+@pytest.mark.parametrize("old,new", [
+    ("cp_async_wait<kS - 1>();", "cp_async_wait<kS>();"),  # decode reads a chunk before its copy lands
+    ("exp2f(st.m[g] - m_new)", "1.f"),                     # decode forgets to rescale the running sum
+], ids=["decode-early-read", "decode-no-rescale"])
+def test_planted_decode_bug_is_caught(old, new):
+    with Simulator(transform=planted(old, new)).patch():
+        with pytest.raises(AssertionError):
+            kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3])
+
+
+@pytest.mark.parametrize("old,new", [
+    ("ldmatrix_x4_trans(b, s_v", "ldmatrix_x4(b, s_v"),  # V fragments not transposed
+    ("if (need_mask && key > (e < 2 ? pos0 : pos1))", "if (need_mask && key > pos0)"),  # wrong causal row
+], ids=["prefill-v-layout", "prefill-mask"])
+def test_planted_prefill_bug_is_caught(old, new):
+    with Simulator(transform=planted(old, new)).patch():
+        with pytest.raises(AssertionError):
+            kc.check_prefill(CPU, torch.bfloat16, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1))
+
+
+def test_decode_traps_on_too_little_shared_memory(sim):
+    """The kernel's own guard: launched with less dynamic shared memory than its layout needs, it traps."""
+    dtype, ctx = "float16", [40]
+    plan = geo.plan_decode(dtype, ctx, 4, 4, 128, 16, num_sms=132)
+    q = torch.zeros(1, 4, 128, dtype=torch.float16)
+    cache = torch.zeros(4, 16, 4, 128, dtype=torch.float16)
+    table, lens = torch.zeros(1, 3, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
+    ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
+    args = (ptr(q), np.uint64(0), np.uint64(0), np.uint64(0), ptr(q), ptr(cache), ptr(cache), ptr(table), ptr(lens),
+            np.int64(512), np.int64(512), np.int32(3), np.int32(4), np.int32(4), np.int32(plan.partition_size),
+            np.float32(1.0))
+    name = geo.decode_kernel_name(dtype, 128, 16, plan.gqa_tile)
+    key = ModuleKey("decode", dtype, 128, 16, "simt")
+    sim.launch(key, name, CPU, plan.grid, plan.block, args, plan.smem_bytes)  # the right size runs
+    with pytest.raises(SimtError, match="__trap"):
+        sim.launch(key, name, CPU, plan.grid, plan.block, args, plan.smem_bytes // 2)
