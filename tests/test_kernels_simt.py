@@ -14,9 +14,9 @@ import torch
 import kernel_cases as kc
 from pagedserve import kernel_geometry as geo
 from pagedserve.kernel_build import ModuleKey
-from simt import Simulator, SimtError, compiler
+from simt import Simulator, SimtError, unavailable
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="needs g++ for the host emulator")
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 CPU = torch.device("cpu")
 # (context lengths, num_heads, num_kv_heads): GQA ratios 1, 4 (tile 4), 8, 3 (tile 4 with 1 head unused),

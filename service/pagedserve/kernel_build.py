@@ -222,18 +222,23 @@ def compile_to_cubin(key: ModuleKey, source_dir: Path | str | None = None,
     Raises:
         KernelCompileError: with the NVRTC log, when compilation fails.
     """
+    return compile_source_to_cubin(load_source(key.source_file, source_dir), key.source_file,
+                                   key.name_expressions(), key.arch, include_dirs, label=str(key))
+
+
+def compile_source_to_cubin(source: str, filename: str, names: tuple[str, ...], arch: str,
+                            include_dirs: list[str] | None = None, label: str = "") -> CubinResult:
+    """:func:`compile_to_cubin` for any CUDA source text with template instantiations ``names``."""
     from cupy_backends.cuda.libs import nvrtc
-    filename = key.source_file
-    names = key.name_expressions()
-    prog = nvrtc.createProgram(load_source(filename, source_dir), filename, [], [])
+    prog = nvrtc.createProgram(source, filename, [], [])
     try:
         for name in names:
             nvrtc.addNameExpression(prog, name)
-        options = [f"-arch={key.arch}", *nvrtc_options(include_dirs), "-ftz=true", "--ptxas-options=-v"]
+        options = [f"-arch={arch}", *nvrtc_options(include_dirs), "-ftz=true", "--ptxas-options=-v"]
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
-            raise KernelCompileError(f"{key}: {exc}\n{nvrtc.getProgramLog(prog)}") from exc
+            raise KernelCompileError(f"{label or filename}: {exc}\n{nvrtc.getProgramLog(prog)}") from exc
         log = nvrtc.getProgramLog(prog)
         lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
         by_mangled = parse_ptxas_log(log)

@@ -41,6 +41,15 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+def unavailable() -> str | None:
+    """Why the emulator cannot build kernels here (no g++, no CUDA headers), or None when it can."""
+    if compiler() is None:
+        return "needs g++ for the host emulator"
+    if not kernel_build.cuda_include_dirs():
+        return "needs the CUDA headers (nvidia-cuda-runtime-cu12) for the host emulator"
+    return None
+
+
 def cache_dir() -> Path:
     base = os.environ.get("PAGEDSERVE_SIMT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve", "simt")
@@ -103,6 +112,27 @@ def run(entry, label: str, grid, block, args, smem_bytes: int, workers: int) -> 
     err = ctypes.create_string_buffer(2048)
     if entry(slots, len(args), geometry, smem_bytes, workers, err, len(err)):
         raise SimtError(f"{label}: {err.value.decode(errors='replace')}")
+
+
+PROBE_NAMES = ("probe_mma<__half>", "probe_mma<__nv_bfloat16>", "probe_ldmatrix<false>", "probe_ldmatrix<true>",
+               "probe_reduce", "probe_cp_async", "probe_divergent", "probe_smem_overrun")
+
+
+def probe_source() -> str:
+    """cuda/common.cuh followed by probes.cu: valid CUDA for NVRTC and input for the emulator."""
+    return kernel_build.load_source("common.cuh") + (HERE / "probes.cu").read_text()
+
+
+class Probes:
+    """The probe kernels of probes.cu on the emulator: ``launch(name, grid, block, args, smem_bytes)``."""
+
+    def __init__(self, workers: int = 1):
+        self.workers = workers
+        self.lib = build(probe_source(), PROBE_NAMES, "probes")
+
+    def launch(self, name: str, grid, block, args, smem_bytes: int = 0) -> None:
+        run(getattr(self.lib, f"simt_entry_{PROBE_NAMES.index(name)}"), name, grid, block, args, smem_bytes,
+            self.workers)
 
 
 class Simulator:
