@@ -4,6 +4,9 @@ All functions are pure (return new tensors) and accept any float dtype; statisti
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 
@@ -91,3 +94,19 @@ def silu_and_mul_cuda(x: torch.Tensor) -> torch.Tensor:
     """CUDA kernel version of :func:`silu_and_mul`."""
     from . import kernels
     return kernels.silu_and_mul(x)
+
+
+@dataclass(frozen=True, slots=True)
+class ElementwiseOps:
+    """One implementation of the model's elementwise layers. The attention backend carries the set that runs with
+    it (:attr:`pagedserve.attention.base.AttentionBackend.elementwise`), so the model code never names a device:
+    :data:`TORCH_OPS` (the references above, any device) or :data:`CUDA_OPS` (the kernels of cuda/elementwise.cu)."""
+
+    name: str
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+TORCH_OPS = ElementwiseOps("torch", rms_norm, rotary_embedding, silu_and_mul)
+CUDA_OPS = ElementwiseOps("cuda", rms_norm_cuda, rotary_embedding_cuda, silu_and_mul_cuda)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import ops
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -60,6 +62,8 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str = "abstract"
+    #: The model's elementwise layers (RMSNorm, rotary embedding, SiLU-and-mul) that run with this backend.
+    elementwise: ops.ElementwiseOps = ops.TORCH_OPS
 
     @abc.abstractmethod
     def forward(

@@ -33,8 +33,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions, hidden, kv_cache, meta, backend: AttentionBackend, cos_sin):
         T = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = ops.rotary_embedding(positions, q.view(T, self.num_heads, self.head_dim), cos_sin)
-        k = ops.rotary_embedding(positions, k.view(T, self.num_kv_heads, self.head_dim), cos_sin)
+        rotary = backend.elementwise.rotary_embedding
+        q = rotary(positions, q.view(T, self.num_heads, self.head_dim), cos_sin)
+        k = rotary(positions, k.view(T, self.num_kv_heads, self.head_dim), cos_sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
@@ -46,8 +47,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x, elementwise: ops.ElementwiseOps = ops.TORCH_OPS):
+        return self.down_proj(elementwise.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -60,10 +61,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, positions, hidden, residual, kv_cache, meta, backend, cos_sin):
-        h, residual = ops.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        ew = backend.elementwise
+        h, residual = ew.rms_norm(hidden, self.input_layernorm, self.eps, residual)
         h = self.self_attn(positions, h, kv_cache, meta, backend, cos_sin)
-        h, residual = ops.rms_norm(h, self.post_attention_layernorm, self.eps, residual)
-        return self.mlp(h), residual
+        h, residual = ew.rms_norm(h, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(h, ew), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
             positions: ``[T]`` int64 absolute positions.
             kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
             meta: the step's attention metadata.
-            backend: the attention backend.
+            backend: the attention backend; its ``elementwise`` ops run the RMSNorms, rotary embedding and SwiGLU.
 
         Returns:
             Final hidden states ``[T, hidden]`` (after the last RMSNorm), the model dtype.
@@ -118,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta, backend, self.cos_sin_cache)
-        hidden, _ = ops.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        hidden, _ = backend.elementwise.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""The CUDA attention backend against the torch backend, shared by the GPU tests (tests/gpu/test_cuda_backend_gpu.py)
+and the host-emulator tests (tests/test_cuda_backend_simt.py): one mixed step, and greedy generation through
+:class:`pagedserve.engine.llm_engine.LLMEngine` on a random-weight Llama."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pagedserve.attention.torch_ref import TorchAttentionBackend
+from paged_batch import ATTN_TOL, blocks_needed, make_caches, make_meta, random_qkv
+
+# SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64, ffn 1536, vocab 49152).
+SMOLLM_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+def check_mixed_step(device, dtype, backend):
+    """Decodes first, then prefill chunks; ``backend`` and the torch backend write the same cache rows and return
+    the same output, and a second call (reusing the backend's cached plan) returns it again."""
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    ctx = [40, 1, 700, 17, 300, 2000]
+    q_lens = [1, 1, 1, 17, 45, 512]
+    num_blocks = blocks_needed(ctx, bs) + 4
+    k_cache, v_cache = make_caches(num_blocks, bs, kv_heads, head_dim, dtype, device, seed=11)
+    meta = make_meta(ctx, q_lens, bs, num_blocks, device, seed=11)
+    q, k, v = random_qkv(sum(q_lens), heads, kv_heads, head_dim, dtype, device, seed=12)
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
+    ref = TorchAttentionBackend().forward(q, k, v, kc_ref, vc_ref, meta, head_dim ** -0.5)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+    atol, rtol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    again = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
+    assert torch.equal(again, out)
+
+
+def word_tokenizer(vocab_size: int):
+    """A whitespace word-level tokenizer over ``t0 .. t{vocab_size-1}``: the engine needs one for detokenizing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
+
+
+def random_llama(device, **shape):
+    """A Llama of ``shape`` (SMOLLM_SHAPE keys) with random weights: N(0, 0.02) matrices, unit norms, untied head,
+    so attention, not the token embedding, drives the next token. Returns (model, config, tokenizer)."""
+    from transformers import LlamaConfig
+
+    from pagedserve.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    model = model.to(device).eval().requires_grad_(False)
+    model.reset_rotary_cache()
+    return model, cfg, word_tokenizer(cfg.vocab_size)
+
+
+def greedy(model, cfg, tokenizer, device: str, backend: str, prompts: list[list[int]], max_tokens: int,
+           max_num_batched_tokens: int = 256) -> dict[str, list[int]]:
+    """Greedy outputs of an engine with attention backend ``backend`` (fp32, chunked prefill, 8 running)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(device=device, dtype="float32", attention_backend=backend, num_kv_blocks=400,
+                          max_model_len=1024, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8)
+    engine, info = build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg)
+    assert info.attention_backend == backend
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for delta in engine.step():
+            out[delta.request_id] += delta.token_ids
+    return out
+
+
+def check_greedy_backends_agree(model, cfg, tokenizer, device: str, lengths, max_tokens: int,
+                                max_num_batched_tokens: int = 256):
+    """More prompts than max_num_seqs (8), one sharing a 64-token prefix with another (prefix-cache hit); the
+    cuda backend's greedy tokens equal the torch backend's."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(n)] for n in lengths]
+    prompts.append(prompts[4][:64] + prompts[1])
+    cuda_out = greedy(model, cfg, tokenizer, device, "cuda", prompts, max_tokens, max_num_batched_tokens)
+    torch_out = greedy(model, cfg, tokenizer, device, "torch", prompts, max_tokens, max_num_batched_tokens)
+    assert all(len(t) == max_tokens for t in torch_out.values())
+    assert len({tuple(t) for t in torch_out.values()}) > 1, "outputs should depend on the prompt"
+    assert cuda_out == torch_out
