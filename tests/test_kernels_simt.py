@@ -27,7 +27,10 @@ DECODE_CASES = [
     ([1, 31, 700], 8, 1),
     ([77, 160, 3], 9, 3),
     ([300, 31], 32, 2),
+    ([16384, 5000, 1], 8, 2),  # long contexts: the automatic plan splits 16k into 128 partitions
 ]
+# Batch 256 (the GPU tests' largest), contexts 1..300, GQA 8: one config.
+BATCH_256 = ([random.Random(3).randint(1, 300) for _ in range(256)], 32, 4)
 # (dtype, head_dim, block_size): every dtype and head dim, and both block sizes.
 DECODE_CONFIGS = [(d, 128, 16) for d in kc.DTYPES] + [(d, hd, 32) for d in kc.DTYPES for hd in (64, 256)]
 PREFILL_CONFIGS = [(d, hd, 16) for d in kc.DTYPES for hd in (64, 128, 256)] + [
@@ -52,8 +55,12 @@ def sim():
 
 @pytest.mark.parametrize("dtype,head_dim,block_size", DECODE_CONFIGS, ids=str)
 def test_decode_matches_reference(sim, dtype, head_dim, block_size):
-    cases = DECODE_CASES if head_dim == 128 else DECODE_CASES[1:3]
+    cases = DECODE_CASES if head_dim == 128 else DECODE_CASES[1:3]  # 256: the reference's dense gather is big
     kc.check_decode(CPU, dtype, head_dim, block_size, cases)
+
+
+def test_decode_batch_256(sim):
+    kc.check_decode(CPU, torch.float16, 128, 16, [BATCH_256])
 
 
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
@@ -72,6 +79,12 @@ def test_prefill_matches_reference(sim, dtype, head_dim, block_size):
     and a one-token chunk that follows prefills; two decode rows before them stay untouched."""
     kc.check_prefill(CPU, dtype, head_dim, block_size, prefix=[2 * block_size, 33, 150, 0, 5],
                      new=[70, 5, 130, 100, 1], decode_ctx=(300, 1), heads_kv=(4, 2))
+
+
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_prefill_after_long_prefix(sim, dtype):
+    """Chunks after a 15,000-token cached prefix (235 K/V tiles per query tile)."""
+    kc.check_prefill(CPU, dtype, 128, 16, prefix=[15000, 333], new=[130, 64], decode_ctx=(3000,), heads_kv=(4, 2))
 
 
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
