@@ -143,8 +143,11 @@ def test_planted_prefill_bug_is_caught(old, new):
             kc.check_prefill(CPU, torch.bfloat16, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1))
 
 
-def test_decode_traps_on_too_little_shared_memory(sim):
-    """The kernel's own guard: launched with less dynamic shared memory than its layout needs, it traps."""
+def test_decode_traps_on_too_little_shared_memory():
+    """The kernel's own guard: launched with less dynamic shared memory than its layout needs, it traps. (Thread
+    order, so thread 0's check runs before any other thread stages into the missing memory, which the emulator
+    would report first otherwise.)"""
+    sim = Simulator(seed=0)
     dtype, ctx = "float16", [40]
     plan = geo.plan_decode(dtype, ctx, 4, 4, 128, 16, num_sms=132)
     q = torch.zeros(1, 4, 128, dtype=torch.float16)

@@ -91,6 +91,17 @@ def test_shared_memory_overrun_is_reported(probes):
         probes.launch("probe_smem_overrun", (1, 1, 1), (32, 1, 1), (np.int32(4),), smem_bytes=64)
 
 
+def test_thread_order_between_barriers_is_shuffled():
+    """A read racing a write with no barrier: thread order hides it (seed 0), the shuffled order (what Simulator
+    uses by default) exposes it in some block."""
+    out = torch.zeros(8 * 128)
+    args = (ptr(out), np.float32(3.0))
+    Probes(seed=0).launch("probe_missing_barrier", (8, 1, 1), (128, 1, 1), args, smem_bytes=16)
+    assert (out == 3.0).all()
+    Probes(seed=1).launch("probe_missing_barrier", (8, 1, 1), (128, 1, 1), args, smem_bytes=16)
+    assert torch.isnan(out).any(), "some thread ran before thread 0 and read the 0xff fill"
+
+
 @pytest.mark.skipif(not kernel_build.nvrtc_available(), reason="NVRTC or the CUDA headers are not installed")
 def test_probes_are_valid_cuda():
     """The probes compile with NVRTC for sm_80, so the GPU comparison can run them unchanged."""

@@ -63,8 +63,9 @@ def translation_unit(source: str, names: tuple[str, ...]) -> str:
     source = _EXTERN_SHARED_RE.sub(r"\1* \2 = reinterpret_cast<\1*>(::simt::dynamic_smem());", source)
     entries = [
         f'extern "C" __attribute__((visibility("default"))) int simt_entry_{i}(const std::uint64_t* slots, '
-        "int num_slots, const unsigned* geometry, std::size_t smem, int workers, char* err, std::size_t err_len) {\n"
-        f"  return ::simt::launch(&{name}, slots, num_slots, geometry, smem, workers, err, err_len);\n}}\n"
+        "int num_slots, const unsigned* geometry, std::size_t smem, int workers, std::uint64_t seed, char* err, "
+        "std::size_t err_len) {\n"
+        f"  return ::simt::launch(&{name}, slots, num_slots, geometry, smem, workers, seed, err, err_len);\n}}\n"
         for i, name in enumerate(names)]
     return '#include "simt_host.hpp"\n' + source + "\n" + "".join(entries)
 
@@ -96,12 +97,13 @@ def build(source: str, names: tuple[str, ...], label: str) -> ctypes.CDLL:
         entry = getattr(lib, f"simt_entry_{i}")
         entry.restype = ctypes.c_int
         entry.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.POINTER(ctypes.c_uint),
-                          ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+                          ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
     return lib
 
 
-def run(entry, label: str, grid, block, args, smem_bytes: int, workers: int) -> None:
-    """Call one entry point: ``args`` are numpy scalars (pointers as ``np.uint64`` addresses)."""
+def run(entry, label: str, grid, block, args, smem_bytes: int, workers: int, seed: int = 0) -> None:
+    """Call one entry point: ``args`` are numpy scalars (pointers as ``np.uint64`` addresses); ``seed`` 0 runs a
+    block's threads in thread order between barriers, any other value in a pseudo-random order per pass."""
     slots = (ctypes.c_uint64 * max(1, len(args)))()
     for i, a in enumerate(args):
         raw = np.asarray(a).tobytes()
@@ -110,12 +112,12 @@ def run(entry, label: str, grid, block, args, smem_bytes: int, workers: int) -> 
         slots[i] = int.from_bytes(raw.ljust(8, b"\0"), "little")
     geometry = (ctypes.c_uint * 6)(*grid, *block)
     err = ctypes.create_string_buffer(2048)
-    if entry(slots, len(args), geometry, smem_bytes, workers, err, len(err)):
+    if entry(slots, len(args), geometry, smem_bytes, workers, seed, err, len(err)):
         raise SimtError(f"{label}: {err.value.decode(errors='replace')}")
 
 
 PROBE_NAMES = ("probe_mma<__half>", "probe_mma<__nv_bfloat16>", "probe_ldmatrix<false>", "probe_ldmatrix<true>",
-               "probe_reduce", "probe_cp_async", "probe_divergent", "probe_smem_overrun")
+               "probe_reduce", "probe_cp_async", "probe_divergent", "probe_smem_overrun", "probe_missing_barrier")
 
 
 def probe_source() -> str:
@@ -126,13 +128,13 @@ def probe_source() -> str:
 class Probes:
     """The probe kernels of probes.cu on the emulator: ``launch(name, grid, block, args, smem_bytes)``."""
 
-    def __init__(self, workers: int = 1):
-        self.workers = workers
+    def __init__(self, workers: int = 1, seed: int = 0):
+        self.workers, self.seed = workers, seed
         self.lib = build(probe_source(), PROBE_NAMES, "probes")
 
     def launch(self, name: str, grid, block, args, smem_bytes: int = 0) -> None:
         run(getattr(self.lib, f"simt_entry_{PROBE_NAMES.index(name)}"), name, grid, block, args, smem_bytes,
-            self.workers)
+            self.workers, self.seed)
 
 
 class Simulator:
@@ -142,10 +144,13 @@ class Simulator:
         workers: OS threads that run blocks in parallel (default: the CPU count).
         num_sms: the SM count the split-K planner is told (132, an H100/H200, by default).
         transform: applied to each kernel source before compiling (tests use it to plant a bug).
+        seed: the order a block's threads run in between barriers: 0 thread order, else pseudo-random per pass
+            (the default, so a result that depends on a missing barrier does not pass by luck of the order).
     """
 
-    def __init__(self, workers: int | None = None, num_sms: int = 132, transform=None):
+    def __init__(self, workers: int | None = None, num_sms: int = 132, transform=None, seed: int = 1):
         self.workers = workers or os.cpu_count() or 1
+        self.seed = seed
         self.num_sms = num_sms
         self.transform = transform
         self._libs: dict[ModuleKey, ctypes.CDLL] = {}
@@ -172,7 +177,7 @@ class Simulator:
             raise SimtError(f"{name} is not an instantiation of module {key}")
         entry = getattr(self.library(key), f"simt_entry_{names.index(name)}")
         self.launches.append((name, tuple(grid), tuple(block), smem_bytes))
-        run(entry, name, grid, block, args, smem_bytes, self.workers)
+        run(entry, name, grid, block, args, smem_bytes, self.workers, self.seed)
 
     def precompile(self, keys: list[ModuleKey], jobs: int | None = None) -> None:
         """Compile several modules in parallel (g++ runs in subprocesses)."""

@@ -70,3 +70,11 @@ __global__ void probe_smem_overrun(int n) {
   extern __shared__ uint4 probe_smem[];
   if (threadIdx.x == 0) probe_smem[n] = make_uint4(1, 2, 3, 4);
 }
+
+// Thread 0 publishes a value through shared memory and every thread reads it with no barrier in between: a race.
+// In thread order every reader comes after thread 0 and the race stays hidden; another order exposes it.
+__global__ void probe_missing_barrier(float* out, float value) {
+  extern __shared__ float probe_smem_f[];
+  if (threadIdx.x == 0) probe_smem_f[0] = value;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = probe_smem_f[0];
+}

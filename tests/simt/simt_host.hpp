@@ -412,7 +412,7 @@ inline std::string deadlock_report(const Block& b) {
 }
 
 // Runs one block to completion on this OS thread; returns false (with b.error set) on a kernel error.
-inline bool run_block(Block& b, std::vector<char>& stacks) {
+inline bool run_block(Block& b, std::vector<char>& stacks, std::uint64_t seed) {
   const int n = static_cast<int>(b.dim.x * b.dim.y * b.dim.z);
   b.fibers.assign(n, Fiber{});
   b.warps.assign((n + kWarpSize - 1) / kWarpSize, Warp{});
@@ -430,9 +430,22 @@ inline bool run_block(Block& b, std::vector<char>& stacks) {
   b.failed = false;
   std::memset(b.smem, 0xff, b.smem_bytes + kSmemGuardBytes);
   g_block = &b;
+  // Each pass resumes every runnable thread once, in thread order when `seed` is 0, else in a fresh pseudo-random
+  // order per pass (seeded by the block and the pass), so that results cannot depend on an order the hardware
+  // does not promise (a missing barrier shows up as a wrong or NaN result).
+  std::vector<int> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  std::uint64_t state = seed ? (seed * 0x9e3779b97f4a7c15ull) ^ (b.idx.x + 65536ull * (b.idx.y + 65536ull * b.idx.z)) : 0;
   while (b.live > 0 && !b.failed) {
     bool ran = false;
-    for (Fiber& f : b.fibers) {
+    if (seed) {
+      for (int i = n - 1; i > 0; --i) {  // Fisher-Yates with xorshift64*
+        state ^= state >> 12; state ^= state << 25; state ^= state >> 27;
+        std::swap(order[i], order[(state * 0x2545f4914f6cdd1dull >> 33) % static_cast<std::uint64_t>(i + 1)]);
+      }
+    }
+    for (int i : order) {
+      Fiber& f = b.fibers[i];
       if (f.state != kRunnable) continue;
       b.cur = &f;
       simt_ctx_switch(&b.sched_sp, f.sp);
@@ -464,11 +477,11 @@ template <class Kernel, class Tuple> struct KernelCtx {
 };
 
 // Launch `kernel` over `grid` x `block` with `smem_bytes` of dynamic shared memory. `slots[i]` holds argument i in
-// its low bytes (little endian, as numpy scalars' bytes). Blocks run on `workers` OS threads. Returns 0, or 1 with
-// the first error written to `err`.
+// its low bytes (little endian, as numpy scalars' bytes). Blocks run on `workers` OS threads; `seed` picks the
+// order threads run in between barriers (0: thread order). Returns 0, or 1 with the first error written to `err`.
 template <class... Args, std::size_t... I>
 int launch_impl(void (*kernel)(Args...), const std::uint64_t* slots, dim3 grid, dim3 block, std::size_t smem_bytes,
-                int workers, char* err, std::size_t err_len, std::index_sequence<I...>) {
+                int workers, std::uint64_t seed, char* err, std::size_t err_len, std::index_sequence<I...>) {
   using Tuple = std::tuple<std::decay_t<Args>...>;
   KernelCtx<void (*)(Args...), Tuple> ctx{kernel, Tuple{}};
   ((std::memcpy(&std::get<I>(ctx.args), &slots[I], sizeof(std::tuple_element_t<I, Tuple>))), ...);
@@ -498,7 +511,7 @@ int launch_impl(void (*kernel)(Args...), const std::uint64_t* slots, dim3 grid, 
     for (long i; !stop && (i = next++) < total;) {
       b.idx = uint3{static_cast<unsigned>(i % grid.x), static_cast<unsigned>((i / grid.x) % grid.y),
                     static_cast<unsigned>(i / (static_cast<long>(grid.x) * grid.y))};
-      if (!run_block(b, stacks)) {
+      if (!run_block(b, stacks, seed)) {
         std::lock_guard<std::mutex> lock(err_mutex);
         if (first_error.empty()) first_error = b.error;
         stop = true;
@@ -518,14 +531,14 @@ int launch_impl(void (*kernel)(Args...), const std::uint64_t* slots, dim3 grid, 
 
 template <class... Args>
 int launch(void (*kernel)(Args...), const std::uint64_t* slots, int num_slots, const unsigned* geometry,
-           std::size_t smem_bytes, int workers, char* err, std::size_t err_len) {
+           std::size_t smem_bytes, int workers, std::uint64_t seed, char* err, std::size_t err_len) {
   if (num_slots != static_cast<int>(sizeof...(Args))) {
     std::snprintf(err, err_len, "the kernel takes %d arguments, got %d", static_cast<int>(sizeof...(Args)), num_slots);
     return 1;
   }
   static_assert(((sizeof(std::decay_t<Args>) <= 8) && ...), "kernel arguments of at most 8 bytes");
   return launch_impl(kernel, slots, dim3(geometry[0], geometry[1], geometry[2]),
-                     dim3(geometry[3], geometry[4], geometry[5]), smem_bytes, workers, err, err_len,
+                     dim3(geometry[3], geometry[4], geometry[5]), smem_bytes, workers, seed, err, err_len,
                      std::index_sequence_for<Args...>{});
 }
 
