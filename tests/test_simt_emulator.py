@@ -68,6 +68,18 @@ def test_warp_and_block_reductions(probes):
     torch.testing.assert_close(block_out, x.sum().expand(128), atol=1e-5, rtol=1e-5)
 
 
+def test_shuffle_segments(probes):
+    """PTX shfl.sync: .bfly reads lane ^ mask unless that lies past the end of the caller's segment of `width`
+    lanes; .idx reads lane (src mod width) of the caller's segment."""
+    x = torch.arange(32, dtype=torch.float32)
+    xor_out, idx_out = torch.zeros(32), torch.zeros(32)
+    probes.launch("probe_shfl_segments", (1, 1, 1), (32, 1, 1), (ptr(xor_out), ptr(idx_out), ptr(x)))
+    lanes = torch.arange(32)
+    expected_xor = torch.where((lanes ^ 16) <= (lanes & ~7) + 7, lanes ^ 16, lanes).float()
+    assert torch.equal(xor_out, expected_xor)
+    assert torch.equal(idx_out, ((lanes & ~7) + 5).float())
+
+
 def test_cp_async_copies_land_at_wait_group(probes):
     src = torch.arange(32 * 4, dtype=torch.int32)
     out = torch.zeros(32 * 4, dtype=torch.int32)
@@ -83,6 +95,11 @@ def test_divergent_warp_is_reported_not_hung(probes):
     out = torch.zeros(64)
     with pytest.raises(SimtError, match="deadlock"):
         probes.launch("probe_divergent", (2, 1, 1), (64, 1, 1), (ptr(out),))
+
+
+def test_threads_at_different_barriers_are_reported(probes):
+    with pytest.raises(SimtError, match="different __syncthreads"):
+        probes.launch("probe_split_barrier", (1, 1, 1), (64, 1, 1), (ptr(torch.zeros(64)),))
 
 
 def test_shared_memory_overrun_is_reported(probes):

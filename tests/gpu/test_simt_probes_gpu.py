@@ -83,3 +83,11 @@ def test_cp_async_matches_gpu(gpu_module, emulator):
                         lambda dev: (torch.zeros(128, dtype=torch.int32, device=dev), src.to(dev), np.int32(1)),
                         outputs=[0], smem_bytes=512)
     assert torch.equal(emu[0], gpu[0])
+
+
+def test_shuffle_segments_match_gpu(gpu_module, emulator):
+    x = torch.randn(32)
+    gpu, emu = run_both(gpu_module, emulator, "probe_shfl_segments", (32, 1, 1),
+                        lambda dev: (torch.zeros(32, device=dev), torch.zeros(32, device=dev), x.to(dev)),
+                        outputs=[0, 1])
+    assert all(torch.equal(e, g) for g, e in zip(gpu, emu))

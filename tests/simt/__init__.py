@@ -28,6 +28,7 @@ from pagedserve.kernel_build import ModuleKey
 
 HERE = Path(__file__).resolve().parent
 _EXTERN_SHARED_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
+_STATIC_SHARED_RE = re.compile(r"(?<!extern )__shared__\s+(\w+)\s+(\w+)\s*\[([^\]]+)\]\s*;")
 CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
              "-Wno-attributes", "-DPAGEDSERVE_SIMT_HOST=1", "-DNDEBUG")
 
@@ -58,9 +59,14 @@ def cache_dir() -> Path:
 
 def translation_unit(source: str, names: tuple[str, ...]) -> str:
     """C++ for kernel ``source`` (CUDA text, includes inlined): the emulator header, the source with ``extern
-    __shared__`` arrays pointed at the emulated dynamic shared memory, and an entry point ``simt_entry_<i>`` per
-    template instantiation ``names[i]``."""
+    __shared__`` arrays pointed at the emulated dynamic shared memory and static ``__shared__`` arrays at the
+    block's static arena, and an entry point ``simt_entry_<i>`` per template instantiation ``names[i]``."""
     source = _EXTERN_SHARED_RE.sub(r"\1* \2 = reinterpret_cast<\1*>(::simt::dynamic_smem());", source)
+    source = _STATIC_SHARED_RE.sub(
+        lambda m: f"{m[1]}* {m[2]} = ::simt::static_smem<{m[1]}>({m[3]}, {m.start()});", source)
+    if "__shared__" in source:
+        raise SimtError("the emulator takes __shared__ arrays only (`__shared__ T name[N];` or `extern __shared__ "
+                        "T name[];`)")
     entries = [
         f'extern "C" __attribute__((visibility("default"))) int simt_entry_{i}(const std::uint64_t* slots, '
         "int num_slots, const unsigned* geometry, std::size_t smem, int workers, std::uint64_t seed, char* err, "
@@ -117,7 +123,8 @@ def run(entry, label: str, grid, block, args, smem_bytes: int, workers: int, see
 
 
 PROBE_NAMES = ("probe_mma<__half>", "probe_mma<__nv_bfloat16>", "probe_ldmatrix<false>", "probe_ldmatrix<true>",
-               "probe_reduce", "probe_cp_async", "probe_divergent", "probe_smem_overrun", "probe_missing_barrier")
+               "probe_reduce", "probe_cp_async", "probe_divergent", "probe_smem_overrun", "probe_missing_barrier",
+               "probe_shfl_segments", "probe_split_barrier")
 
 
 def probe_source() -> str:

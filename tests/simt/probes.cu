@@ -78,3 +78,21 @@ __global__ void probe_missing_barrier(float* out, float value) {
   if (threadIdx.x == 0) probe_smem_f[0] = value;
   out[blockIdx.x * blockDim.x + threadIdx.x] = probe_smem_f[0];
 }
+
+// Shuffles within 8-lane segments: xor_out = shfl_xor(v, 16, width 8) (a source past the caller's segment gives
+// the caller's own value: lanes 0-7 keep theirs, lanes 16-23 read lanes 0-7), idx_out = shfl(v, 5, width 8).
+__global__ void probe_shfl_segments(float* xor_out, float* idx_out, const float* in) {
+  const float v = in[threadIdx.x];
+  xor_out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, v, 16, 8);
+  idx_out[threadIdx.x] = __shfl_sync(0xffffffffu, v, 5, 8);
+}
+
+// The first warp waits at one __syncthreads, the second at another: undefined behaviour in CUDA.
+__global__ void probe_split_barrier(float* out) {
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1.f;
+}

@@ -4,21 +4,27 @@
 // What is emulated (semantics from the CUDA C++ Programming Guide and the PTX ISA, sm_80):
 //   - the execution model: a grid of thread blocks; each block's threads run as cooperative fibers on one OS thread
 //     (blocks are spread over worker threads); threadIdx / blockIdx / blockDim / gridDim.
-//   - __syncthreads (waits for every thread of the block that has not exited), warp collectives (__shfl_sync,
+//   - __syncthreads (waits for every thread of the block that has not exited; threads waiting at two different
+//     __syncthreads statements are reported, as the programming guide makes that undefined), warp collectives (__shfl_sync,
 //     __shfl_xor_sync, ldmatrix, mma.sync): an operation runs when every lane of the warp has reached it, on the
 //     values all lanes supplied, as the hardware's converged warp does. Lanes of one warp arriving at different
 //     collectives, a collective in a warp with an exited lane, or a barrier that can never complete are reported
 //     as errors, not hung on.
-//   - cp.async: copies are queued per thread and performed only when cp.async.wait_group retires their group, the
-//     latest moment the PTX ISA allows, so a kernel that reads a staged tile before waiting for it reads garbage.
-//   - dynamic shared memory is filled with 0xff bytes (NaN as fp32/fp16/bf16) at each block's start, ldmatrix and
-//     cp.async addresses are checked to lie inside it and be 16-byte aligned, and a guard region after it is
-//     checked at the block's end.
+//   - cp.async: copies are queued per thread and performed when cp.async.wait_group retires their group, the
+//     latest moment the PTX ISA allows, so a kernel that reads a staged tile before waiting for it reads garbage;
+//     in the shuffled mode (below) each copy instead lands at once with probability 1/2, so a kernel that reissues
+//     copies into a buffer other threads may still be reading gets corrupted data.
+//   - shared memory, dynamic and static, is filled with 0xff bytes (NaN as fp32/fp16/bf16) at each block's start;
+//     ldmatrix and cp.async addresses are checked to lie inside the dynamic part and be 16-byte aligned, and a
+//     guard region after it is checked at the block's end.
+//   - thread order: between barriers a block's threads run in thread order (seed 0) or, by default from Python, in
+//     a seeded pseudo-random order per pass, so results cannot lean on an order the hardware does not promise.
 // Not emulated: timing, memory-model races between threads (a block's fibers interleave only at barriers and
 // collectives), bank conflicts, register limits (ptxas reports those: tests/test_kernels_compile.py).
 //
 // The including translation unit defines PAGEDSERVE_SIMT_HOST, includes this file, then the kernel source with
-// `extern __shared__ T name[];` rewritten to `T* name = reinterpret_cast<T*>(::simt::dynamic_smem());`
+// `extern __shared__ T name[];` rewritten to `T* name = reinterpret_cast<T*>(::simt::dynamic_smem());` and
+// `__shared__ T name[N];` to `T* name = ::simt::static_smem<T>(N, <site id>);`
 // (tests/simt/__init__.py does both), and defines one extern "C" entry point per kernel instantiation that calls
 // simt::launch(&kernel<...>, ...).
 #pragma once
@@ -30,6 +36,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -43,7 +50,6 @@
 #include <vector_functions.h>
 
 #define __launch_bounds__(...)
-#define __shared__ static thread_local
 
 namespace simt {
 
@@ -66,6 +72,7 @@ struct Fiber {
   State state = kRunnable;
   std::vector<PendingCopy> copies;      // issued cp.async copies not yet performed, oldest first
   std::vector<std::size_t> group_ends;  // committed groups: one past each group's last entry in `copies`
+  std::uint64_t rng = 0;                // per-thread xorshift state (shuffled mode)
   const char* where = "";               // what the fiber waits on (for deadlock reports)
 };
 
@@ -102,6 +109,11 @@ struct Block {
   void* sched_sp = nullptr;
   char* smem = nullptr;
   std::size_t smem_bytes = 0;
+  std::vector<char> static_smem;                     // the block's static __shared__ arrays
+  std::vector<std::pair<int, std::size_t>> static_sites;  // (declaration site, offset into static_smem)
+  std::size_t static_used = 0;
+  const char* barrier_site = nullptr;                // the __syncthreads the waiting threads are at
+  std::uint64_t seed = 0;
   int live = 0;
   int barrier_arrived = 0;
   bool failed = false;
@@ -217,15 +229,20 @@ inline void park(State s, const char* where) {
 }
 
 // ---- barriers and warp collectives ----------------------------------------------------------------------------------
-inline void syncthreads() {
+inline void syncthreads(const char* site) {
   Block& b = *g_block;
+  if (b.barrier_arrived == 0) {
+    b.barrier_site = site;
+  } else if (std::strcmp(b.barrier_site, site) != 0) {
+    fail(std::string("threads wait at different __syncthreads: ") + b.barrier_site + " and " + site);
+  }
   if (++b.barrier_arrived == b.live) {
     b.barrier_arrived = 0;
     for (Fiber& o : b.fibers)
       if (o.state == kWaitBlock) o.state = kRunnable;
     return;
   }
-  park(kWaitBlock, "__syncthreads");
+  park(kWaitBlock, site);
 }
 
 // Every lane of the calling warp deposits its inputs, then calls this. The last to arrive runs `compute` for the
@@ -280,6 +297,19 @@ template <class T> inline T shfl(T v, int src) {
 // ---- shared memory --------------------------------------------------------------------------------------------------
 inline void* dynamic_smem() { return g_block->smem; }
 
+// The static __shared__ array declared at `site` (count elements of T), placed in the block's static arena on first
+// use; every thread of the block gets the same address.
+template <class T> inline T* static_smem(std::size_t count, int site) {
+  Block& b = *g_block;
+  for (const auto& [s, offset] : b.static_sites)
+    if (s == site) return reinterpret_cast<T*>(b.static_smem.data() + offset);
+  const std::size_t offset = (b.static_used + 15) & ~std::size_t(15);
+  if (offset + count * sizeof(T) > b.static_smem.size()) fail("static shared memory over 48 KiB");
+  b.static_used = offset + count * sizeof(T);
+  b.static_sites.emplace_back(site, offset);
+  return reinterpret_cast<T*>(b.static_smem.data() + offset);
+}
+
 inline void check_smem(const void* p, std::size_t bytes, const char* what) {
   const Block& b = *g_block;
   const char* c = static_cast<const char*>(p);
@@ -291,7 +321,15 @@ inline void check_smem(const void* p, std::size_t bytes, const char* what) {
 inline void cp_async_16(void* smem, const void* gmem, bool pred) {
   check_smem(smem, 16, "cp.async");
   if (pred && reinterpret_cast<std::uintptr_t>(gmem) % 16) fail("cp.async: global address not 16-byte aligned");
-  g_block->cur->copies.push_back({smem, gmem, pred});
+  Fiber& f = *g_block->cur;
+  if (g_block->seed) {
+    f.rng ^= f.rng >> 12; f.rng ^= f.rng << 25; f.rng ^= f.rng >> 27;
+    if ((f.rng * 0x2545f4914f6cdd1dull) >> 63) {  // lands at once (the earliest the ISA allows)
+      perform({smem, gmem, pred});
+      return;
+    }
+  }
+  f.copies.push_back({smem, gmem, pred});
 }
 
 inline void cp_async_commit() {
@@ -412,7 +450,7 @@ inline std::string deadlock_report(const Block& b) {
 }
 
 // Runs one block to completion on this OS thread; returns false (with b.error set) on a kernel error.
-inline bool run_block(Block& b, std::vector<char>& stacks, std::uint64_t seed) {
+inline bool run_block(Block& b, char* stacks, std::uint64_t seed) {
   const int n = static_cast<int>(b.dim.x * b.dim.y * b.dim.z);
   b.fibers.assign(n, Fiber{});
   b.warps.assign((n + kWarpSize - 1) / kWarpSize, Warp{});
@@ -423,12 +461,14 @@ inline bool run_block(Block& b, std::vector<char>& stacks, std::uint64_t seed) {
                   static_cast<unsigned>(i / (b.dim.x * b.dim.y))};
     f.lane = i % kWarpSize;
     f.warp = i / kWarpSize;
-    f.sp = init_stack(stacks.data() + static_cast<std::size_t>(i) * kStackBytes);
+    f.sp = init_stack(stacks + static_cast<std::size_t>(i) * kStackBytes);
   }
   b.live = n;
   b.barrier_arrived = 0;
   b.failed = false;
+  b.seed = seed;
   std::memset(b.smem, 0xff, b.smem_bytes + kSmemGuardBytes);
+  std::memset(b.static_smem.data(), 0xff, b.static_smem.size());
   g_block = &b;
   // Each pass resumes every runnable thread once, in thread order when `seed` is 0, else in a fresh pseudo-random
   // order per pass (seeded by the block and the pass), so that results cannot depend on an order the hardware
@@ -436,6 +476,7 @@ inline bool run_block(Block& b, std::vector<char>& stacks, std::uint64_t seed) {
   std::vector<int> order(n);
   for (int i = 0; i < n; ++i) order[i] = i;
   std::uint64_t state = seed ? (seed * 0x9e3779b97f4a7c15ull) ^ (b.idx.x + 65536ull * (b.idx.y + 65536ull * b.idx.z)) : 0;
+  for (int i = 0; i < n; ++i) b.fibers[i].rng = (state ^ (0xbf58476d1ce4e5b9ull * (i + 1))) | 1;
   while (b.live > 0 && !b.failed) {
     bool ran = false;
     if (seed) {
@@ -502,16 +543,18 @@ int launch_impl(void (*kernel)(Args...), const std::uint64_t* slots, dim3 grid, 
     b.smem_bytes = smem_bytes;
     std::vector<char> smem(smem_bytes + kSmemGuardBytes + 128);
     b.smem = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(smem.data()) + 127) & ~std::uintptr_t(127));
+    b.static_smem.assign(48 * 1024, 0);
     b.invoke = [](const void* c) {
       auto* k = static_cast<const KernelCtx<void (*)(Args...), Tuple>*>(c);
       std::apply(k->kernel, k->args);
     };
     b.kernel_ctx = &ctx;
-    std::vector<char> stacks(static_cast<std::size_t>(threads) * kStackBytes);
+    // Not value-initialised: the OS maps a stack's pages only when a fiber touches them.
+    std::unique_ptr<char[]> stacks(new char[static_cast<std::size_t>(threads) * kStackBytes]);
     for (long i; !stop && (i = next++) < total;) {
       b.idx = uint3{static_cast<unsigned>(i % grid.x), static_cast<unsigned>((i / grid.x) % grid.y),
                     static_cast<unsigned>(i / (static_cast<long>(grid.x) * grid.y))};
-      if (!run_block(b, stacks, seed)) {
+      if (!run_block(b, stacks.get(), seed)) {
         std::lock_guard<std::mutex> lock(err_mutex);
         if (first_error.empty()) first_error = b.error;
         stop = true;
@@ -550,12 +593,17 @@ int launch(void (*kernel)(Args...), const std::uint64_t* slots, int num_slots, c
 #define blockDim (::simt::g_block->dim)
 #define gridDim (::simt::g_block->grid)
 
-inline void __syncthreads() { ::simt::syncthreads(); }
+#define SIMT_STR2(x) #x
+#define SIMT_STR(x) SIMT_STR2(x)
+#define __syncthreads() ::simt::syncthreads(__FILE__ ":" SIMT_STR(__LINE__))
 [[noreturn]] inline void __trap() { ::simt::fail("__trap()"); }
+// PTX shfl.sync.bfly: source lane ^ lane_mask; a source past the end of the caller's width-lane segment gives the
+// caller's own value.
 template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   ::simt::check_full_mask(mask);
   const int lane = ::simt::g_block->cur->lane;
-  return ::simt::shfl(v, (lane ^ lane_mask) < width ? (lane ^ lane_mask) : lane);
+  const int src = lane ^ (lane_mask & 31), segment_end = (lane & ~(width - 1)) + width - 1;
+  return ::simt::shfl(v, src <= segment_end ? src : lane);
 }
 template <class T> inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
   ::simt::check_full_mask(mask);
