@@ -3,6 +3,8 @@
 (tests/test_kernels_simt.py, small shapes on CPU tensors). Each function takes the device and the shapes."""
 from __future__ import annotations
 
+import random
+
 import torch
 
 from pagedserve import kernel_geometry as geo
@@ -11,6 +13,22 @@ from pagedserve.attention import torch_ref
 from paged_batch import ATTN_TOL, blocks_needed, make_caches, make_meta, random_qkv
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# The GPU tests' grid. Decode (context lengths, num_heads, num_kv_heads): batch 1..256, ragged contexts 1..16k,
+# GQA ratios 1, 3, 4, 8, 16. Prefill (cached prefix, new tokens) per sequence: block-aligned, unaligned, long
+# (15000), none (1000 new tokens), and a one-token chunk that is not a decode (it follows prefills); block_size is
+# filled in.
+GPU_DECODE_CASES = [
+    ([1], 8, 8),
+    ([random.Random(1).randint(1, 300) for _ in range(256)], 32, 4),
+    ([1, 17, 513, 4097, 16384], 16, 4),
+    ([random.Random(2).randint(1, 2048) for _ in range(64)], 8, 1),
+    ([77, 1000, 3], 9, 3),
+    ([5000, 31], 32, 2),
+]
+
+
+def gpu_prefill_case(block_size: int) -> dict:
+    return dict(prefix=[2 * block_size, 333, 15000, 5, 90, 0, 40], new=[200, 5, 130, 64, 63, 1000, 1])
 # (atol, rtol) of the elementwise kernels against ops.py, per dtype.
 ELEM_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
 

@@ -5,6 +5,7 @@ kernels' own code (warp shuffles, ldmatrix and mma fragment layouts, cp.async pi
 not a model of it; what it cannot show (timing, races between threads of a block) is said in simt_host.hpp."""
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -112,6 +113,26 @@ def test_rotary_embedding(sim, dtype, is_neox):
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
 def test_silu_and_mul(sim, dtype, shape):
     kc.check_silu_and_mul(CPU, dtype, shape)
+
+
+# ---- the GPU tests' whole grid (about 8 minutes here): PAGEDSERVE_SIMT_FULL=1 ---------------------------------------
+ALL_CONFIGS = [(d, hd, bs) for d in kc.DTYPES for hd in (64, 128, 256) for bs in (16, 32)]
+full_grid = pytest.mark.skipif(os.environ.get("PAGEDSERVE_SIMT_FULL") != "1",
+                               reason="the GPU tests' full grid on the emulator takes ~8 min: PAGEDSERVE_SIMT_FULL=1")
+
+
+@full_grid
+def test_gpu_grid_decode(sim):
+    """tests/gpu/test_kernels_gpu.py's decode grid (batch 256, contexts to 16k, GQA 1..16) for every config."""
+    for dtype, head_dim, block_size in ALL_CONFIGS:
+        kc.check_decode(CPU, dtype, head_dim, block_size, kc.GPU_DECODE_CASES, max_seqs_256=64)
+
+
+@full_grid
+def test_gpu_grid_prefill(sim):
+    """tests/gpu/test_kernels_gpu.py's prefill grid (a 15,000-token prefix, a 1,000-token chunk) for every config."""
+    for dtype, head_dim, block_size in ALL_CONFIGS:
+        kc.check_prefill(CPU, dtype, head_dim, block_size, **kc.gpu_prefill_case(block_size))
 
 
 # ---- the checks have teeth: a planted bug fails them ----------------------------------------------------------------

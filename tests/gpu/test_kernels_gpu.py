@@ -3,8 +3,6 @@ head dims, block sizes and GQA ratios. Sized to run in about a minute on an H200
 The checks themselves are in tests/kernel_cases.py; tests/test_kernels_simt.py runs them on the host emulator."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -16,22 +14,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("cupy")
 
 DEV = torch.device("cuda")
-# (context lengths, num_heads, num_kv_heads): batch 1..256, ragged contexts 1..16k, GQA ratios 1, 3, 4, 8, 16.
-DECODE_CASES = [
-    ([1], 8, 8),
-    ([random.Random(1).randint(1, 300) for _ in range(256)], 32, 4),
-    ([1, 17, 513, 4097, 16384], 16, 4),
-    ([random.Random(2).randint(1, 2048) for _ in range(64)], 8, 1),
-    ([77, 1000, 3], 9, 3),
-    ([5000, 31], 32, 2),
-]
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
 def test_decode_matches_reference(dtype, head_dim, block_size):
-    kc.check_decode(DEV, dtype, head_dim, block_size, DECODE_CASES, max_seqs_256=64)
+    kc.check_decode(DEV, dtype, head_dim, block_size, kc.GPU_DECODE_CASES, max_seqs_256=64)
 
 
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
@@ -45,10 +34,8 @@ def test_decode_split_and_single_partition_agree(dtype):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
 def test_prefill_matches_reference(dtype, head_dim, block_size):
-    """Prefill chunks after cached prefixes: block-aligned, unaligned, long (15000), none (1000 new tokens), and a
-    one-token chunk that is not a decode (it follows prefills)."""
-    kc.check_prefill(DEV, dtype, head_dim, block_size, prefix=[2 * block_size, 333, 15000, 5, 90, 0, 40],
-                     new=[200, 5, 130, 64, 63, 1000, 1])
+    """Decodes, then prefill chunks after cached prefixes (kernel_cases.gpu_prefill_case)."""
+    kc.check_prefill(DEV, dtype, head_dim, block_size, **kc.gpu_prefill_case(block_size))
 
 
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
