@@ -164,6 +164,16 @@ def test_planted_prefill_bug_is_caught(old, new):
             kc.check_prefill(CPU, torch.bfloat16, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1))
 
 
+def test_planted_out_of_bounds_read_is_caught():
+    """The decode kernel reads block-table entries for chunks past the context end (it must not): for the last
+    sequence that runs past the table tensor, and the emulator stops the launch."""
+    bug = planted("return chunk < end ? __ldg(table + chunk / BLOCK_SIZE) : 0;",
+                  "return __ldg(table + chunk / BLOCK_SIZE);")
+    with Simulator(transform=bug).patch():
+        with pytest.raises(SimtError, match="outside every tensor argument"):
+            kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3])
+
+
 def test_decode_traps_on_too_little_shared_memory():
     """The kernel's own guard: launched with less dynamic shared memory than its layout needs, it traps. (Thread
     order, so thread 0's check runs before any other thread stages into the missing memory, which the emulator

@@ -99,6 +99,8 @@ def build(source: str, names: tuple[str, ...], label: str) -> ctypes.CDLL:
                 raise SimtError(f"g++ failed for {label}:\n{proc.stderr[-6000:]}")
             os.replace(out, target)
     lib = ctypes.CDLL(str(target))
+    lib.simt_set_ranges.restype = None
+    lib.simt_set_ranges.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
     for i in range(len(names)):
         entry = getattr(lib, f"simt_entry_{i}")
         entry.restype = ctypes.c_int
@@ -161,6 +163,7 @@ class Simulator:
         self.num_sms = num_sms
         self.transform = transform
         self._libs: dict[ModuleKey, ctypes.CDLL] = {}
+        self._ranges: list[tuple[int, int]] = []  # storages of the tensor arguments of the next launch
         self._lock = threading.Lock()
         self.launches: list[tuple[str, tuple, tuple, int]] = []  # (name, grid, block, smem) of every launch
 
@@ -182,9 +185,13 @@ class Simulator:
         names = key.name_expressions()
         if name not in names:
             raise SimtError(f"{name} is not an instantiation of module {key}")
-        entry = getattr(self.library(key), f"simt_entry_{names.index(name)}")
+        lib = self.library(key)
+        ranges, self._ranges = self._ranges, []
+        flat = (ctypes.c_uint64 * max(1, 2 * len(ranges)))(*(v for r in ranges for v in r))
+        lib.simt_set_ranges(flat, len(ranges))
         self.launches.append((name, tuple(grid), tuple(block), smem_bytes))
-        run(entry, name, grid, block, args, smem_bytes, self.workers, self.seed)
+        run(getattr(lib, f"simt_entry_{names.index(name)}"), name, grid, block, args, smem_bytes, self.workers,
+            self.seed)
 
     def precompile(self, keys: list[ModuleKey], jobs: int | None = None) -> None:
         """Compile several modules in parallel (g++ runs in subprocesses)."""
@@ -194,7 +201,8 @@ class Simulator:
 
     @contextlib.contextmanager
     def patch(self):
-        """Route :mod:`pagedserve.kernels` launches to this emulator, for CPU tensors, inside the block."""
+        """Route :mod:`pagedserve.kernels` launches to this emulator, for CPU tensors, inside the block. Each
+        launch may read (through __ldg and cp.async) only the storages of the tensors passed to it."""
         from pagedserve import kernels
 
         def check_cpu(**tensors: torch.Tensor) -> torch.device:
@@ -206,8 +214,15 @@ class Simulator:
         def module_key(device, family, dtype=None, head_dim=None, block_size=None) -> ModuleKey:
             return ModuleKey(family, dtype, head_dim, block_size, "simt")
 
-        saved = {n: getattr(kernels, n) for n in ("launch", "check_cuda", "_key", "num_sms")}
+        def tensor_ptr(t: torch.Tensor) -> np.uint64:
+            """kernels' pointer argument, noting the tensor's storage as memory the launch may read."""
+            storage = t.untyped_storage()
+            self._ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+            return np.uint64(t.data_ptr())
+
+        saved = {n: getattr(kernels, n) for n in ("launch", "check_cuda", "_key", "num_sms", "_ptr")}
         kernels.launch, kernels.check_cuda, kernels._key = self.launch, check_cpu, module_key
+        kernels._ptr = tensor_ptr
         kernels.num_sms = lambda index: self.num_sms
         try:
             yield self

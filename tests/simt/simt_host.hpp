@@ -14,6 +14,8 @@
 //     latest moment the PTX ISA allows, so a kernel that reads a staged tile before waiting for it reads garbage;
 //     in the shuffled mode (below) each copy instead lands at once with probability 1/2, so a kernel that reissues
 //     copies into a buffer other threads may still be reading gets corrupted data.
+//   - global reads through __ldg and cp.async are checked to fall inside the storage of a tensor argument (when
+//     the launcher registered them: Simulator does).
 //   - shared memory, dynamic and static, is filled with 0xff bytes (NaN as fp32/fp16/bf16) at each block's start;
 //     ldmatrix and cp.async addresses are checked to lie inside the dynamic part and be 16-byte aligned, and a
 //     guard region after it is checked at the block's end.
@@ -318,8 +320,23 @@ inline void check_smem(const void* p, std::size_t bytes, const char* what) {
   if (reinterpret_cast<std::uintptr_t>(p) % 16) fail(std::string(what) + ": shared-memory address not 16-byte aligned");
 }
 
+// Global memory a launch may read through __ldg and cp.async: the storages of its tensor arguments, [lo, hi) byte
+// ranges set by simt_set_ranges before the launch (empty: not checked).
+inline std::vector<std::pair<std::uintptr_t, std::uintptr_t>> g_ranges;
+
+inline void check_global(const void* p, std::size_t bytes, const char* what) {
+  if (g_ranges.empty()) return;
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  for (const auto& [lo, hi] : g_ranges)
+    if (a >= lo && a + bytes <= hi) return;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%s: read of %zu bytes at %p, outside every tensor argument", what, bytes, p);
+  fail(buf);
+}
+
 inline void cp_async_16(void* smem, const void* gmem, bool pred) {
   check_smem(smem, 16, "cp.async");
+  if (pred) check_global(gmem, 16, "cp.async");
   if (pred && reinterpret_cast<std::uintptr_t>(gmem) % 16) fail("cp.async: global address not 16-byte aligned");
   Fiber& f = *g_block->cur;
   if (g_block->seed) {
@@ -610,7 +627,15 @@ template <class T> inline T __shfl_sync(unsigned mask, T v, int src_lane, int wi
   const int lane = ::simt::g_block->cur->lane;
   return ::simt::shfl(v, (lane & ~(width - 1)) + (src_lane & (width - 1)));
 }
-template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldg(const T* p) {
+  ::simt::check_global(p, sizeof(T), "__ldg");
+  return *p;
+}
+
+extern "C" __attribute__((visibility("default"))) void simt_set_ranges(const std::uint64_t* ranges, int count) {
+  ::simt::g_ranges.clear();
+  for (int i = 0; i < count; ++i) ::simt::g_ranges.emplace_back(ranges[2 * i], ranges[2 * i + 1]);
+}
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
