@@ -5,11 +5,11 @@
 //   - the execution model: a grid of thread blocks; each block's threads run as cooperative fibers on one OS thread
 //     (blocks are spread over worker threads); threadIdx / blockIdx / blockDim / gridDim.
 //   - __syncthreads (waits for every thread of the block that has not exited; threads waiting at two different
-//     __syncthreads statements are reported, as the programming guide makes that undefined), warp collectives (__shfl_sync,
-//     __shfl_xor_sync, ldmatrix, mma.sync): an operation runs when every lane of the warp has reached it, on the
-//     values all lanes supplied, as the hardware's converged warp does. Lanes of one warp arriving at different
-//     collectives, a collective in a warp with an exited lane, or a barrier that can never complete are reported
-//     as errors, not hung on.
+//     __syncthreads statements are reported, as the programming guide makes that undefined), warp collectives
+//     (__shfl_sync, __shfl_xor_sync, ldmatrix, mma.sync): an operation runs when every lane of the warp has reached
+//     it, on the values all lanes supplied, as the hardware's converged warp does. Lanes of one warp arriving at
+//     different collectives, a collective in a warp with an exited lane, or a barrier that can never complete are
+//     reported as errors, not hung on.
 //   - cp.async: copies are queued per thread and performed when cp.async.wait_group retires their group, the
 //     latest moment the PTX ISA allows, so a kernel that reads a staged tile before waiting for it reads garbage;
 //     in the shuffled mode (below) each copy instead lands at once with probability 1/2, so a kernel that reissues
@@ -21,8 +21,10 @@
 //     guard region after it is checked at the block's end.
 //   - thread order: between barriers a block's threads run in thread order (seed 0) or, by default from Python, in
 //     a seeded pseudo-random order per pass, so results cannot lean on an order the hardware does not promise.
-// Not emulated: timing, memory-model races between threads (a block's fibers interleave only at barriers and
-// collectives), bank conflicts, register limits (ptxas reports those: tests/test_kernels_compile.py).
+// Not emulated: timing, memory-model races between threads inside one barrier interval beyond what the shuffled
+// order exposes (a block's fibers interleave only at barriers and collectives), plain (non-__ldg) global loads and
+// stores are not bounds-checked, bank conflicts, register limits (ptxas reports those:
+// tests/test_kernels_compile.py).
 //
 // The including translation unit defines PAGEDSERVE_SIMT_HOST, includes this file, then the kernel source with
 // `extern __shared__ T name[];` rewritten to `T* name = reinterpret_cast<T*>(::simt::dynamic_smem());` and
@@ -421,8 +423,9 @@ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t 
   std::memcpy(&w.in[lane][6], d, 16);
   auto compute = [bf16](Warp& w) {
     float A[16][16], B[16][8], C[16][8];
-    auto lo = [bf16](std::uint32_t v) { return bf16 ? bf16_bits_to_float(v & 0xffff) : half_bits_to_float(v & 0xffff); };
-    auto hi = [bf16](std::uint32_t v) { return bf16 ? bf16_bits_to_float(v >> 16) : half_bits_to_float(v >> 16); };
+    auto to_f = [bf16](std::uint32_t bits) { return bf16 ? bf16_bits_to_float(bits) : half_bits_to_float(bits); };
+    auto lo = [&](std::uint32_t v) { return to_f(v & 0xffff); };
+    auto hi = [&](std::uint32_t v) { return to_f(v >> 16); };
     for (int l = 0; l < kWarpSize; ++l) {
       const int g = l >> 2, t = l & 3;
       const std::uint32_t* in = w.in[l];
@@ -492,7 +495,8 @@ inline bool run_block(Block& b, char* stacks, std::uint64_t seed) {
   // does not promise (a missing barrier shows up as a wrong or NaN result).
   std::vector<int> order(n);
   for (int i = 0; i < n; ++i) order[i] = i;
-  std::uint64_t state = seed ? (seed * 0x9e3779b97f4a7c15ull) ^ (b.idx.x + 65536ull * (b.idx.y + 65536ull * b.idx.z)) : 0;
+  const std::uint64_t block_id = b.idx.x + 65536ull * (b.idx.y + 65536ull * b.idx.z);
+  std::uint64_t state = seed ? (seed * 0x9e3779b97f4a7c15ull) ^ block_id : 0;
   for (int i = 0; i < n; ++i) b.fibers[i].rng = (state ^ (0xbf58476d1ce4e5b9ull * (i + 1))) | 1;
   while (b.live > 0 && !b.failed) {
     bool ran = false;
