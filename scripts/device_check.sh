@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command (stage limits add up to under 6 minutes on an H200):
-#   1. installs the wheels carried in .whl/ (scripts/fetch_device_wheels.sh) into /tmp/site, if any;
+#   1. installs the wheels carried in .whl/ (scripts/fetch_device_wheels.sh) into /tmp/site, if any (the CUDA 12
+#      runtime wheel is only unpacked, for the host emulator's headers);
 #   2. pytest -m gpu (each CUDA kernel against its torch reference, backend vs backend, greedy end to end);
 #   3. bench/kernels.py (decode kernel: % of copy bandwidth, time vs gather + SDPA);
 #   4. scripts/serve_smoke.py (pagedserve serve on the GPU with the cuda attention backend).
@@ -16,8 +17,19 @@ SUMMARY="$LOGS/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+wheels=()
+for w in .whl/*.whl; do
+  [ -f "$w" ] || continue
+  case $w in
+    # CUDA 12 headers for the host emulator only: unpacked, not installed, so the image's CUDA stack never sees them.
+    *nvidia_cuda_runtime_cu12*)
+      "$PY" -m zipfile -e "$w" /tmp/simt-cuda \
+        && export PAGEDSERVE_SIMT_CUDA_INCLUDE=/tmp/simt-cuda/nvidia/cuda_runtime/include ;;
+    *) wheels+=("$w") ;;
+  esac
+done
+if [ ${#wheels[@]} -gt 0 ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || note "WARN: carried wheels failed to install"
 fi
 export PYTHONPATH="$ROOT/service:$ROOT/client${PYTHONPATH:+:$PYTHONPATH}"

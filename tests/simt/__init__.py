@@ -42,11 +42,25 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+def host_include_dirs() -> list[str]:
+    """CUDA headers for the host compile: ``$PAGEDSERVE_SIMT_CUDA_INCLUDE``, else the nvidia-cuda-runtime-cu12
+    wheel's (what the stand-in headers in include/ were written against), else whatever NVRTC would use."""
+    import importlib.util
+    if os.environ.get("PAGEDSERVE_SIMT_CUDA_INCLUDE"):
+        return [os.environ["PAGEDSERVE_SIMT_CUDA_INCLUDE"]]
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(base) / "cuda_runtime" / "include"
+        if (candidate / "cuda_fp16.h").is_file():
+            return [str(candidate)]
+    return kernel_build.cuda_include_dirs()
+
+
 def unavailable() -> str | None:
     """Why the emulator cannot build kernels here (no g++, no CUDA headers), or None when it can."""
     if compiler() is None:
         return "needs g++ for the host emulator"
-    if not kernel_build.cuda_include_dirs():
+    if not host_include_dirs():
         return "needs the CUDA headers (nvidia-cuda-runtime-cu12) for the host emulator"
     return None
 
@@ -83,7 +97,7 @@ def build(source: str, names: tuple[str, ...], label: str) -> ctypes.CDLL:
     if cxx is None:
         raise SimtError("no C++ compiler (g++) found")
     unit = translation_unit(source, names)
-    includes = [str(HERE / "include"), str(HERE), *kernel_build.cuda_include_dirs()]
+    includes = [str(HERE / "include"), str(HERE), *host_include_dirs()]
     digest = hashlib.sha256("\0".join([unit, *CXX_FLAGS, *includes, (HERE / "simt_host.hpp").read_text(),
                                        cxx]).encode()).hexdigest()[:24]
     target = cache_dir() / f"{digest}.so"
