@@ -117,7 +117,7 @@ struct Block {
   std::vector<std::pair<int, std::size_t>> static_sites;  // (declaration site, offset into static_smem)
   std::size_t static_used = 0;
   const char* barrier_site = nullptr;                // the __syncthreads the waiting threads are at
-  std::uint64_t seed = 0;
+  std::uint64_t seed = 0;                            // 0: thread order, copies land at the wait; else shuffled
   int live = 0;
   int barrier_arrived = 0;
   bool failed = false;
@@ -470,7 +470,7 @@ inline std::string deadlock_report(const Block& b) {
 }
 
 // Runs one block to completion on this OS thread; returns false (with b.error set) on a kernel error.
-inline bool run_block(Block& b, char* stacks, std::uint64_t seed) {
+inline bool run_block(Block& b, char* stacks) {
   const int n = static_cast<int>(b.dim.x * b.dim.y * b.dim.z);
   b.fibers.assign(n, Fiber{});
   b.warps.assign((n + kWarpSize - 1) / kWarpSize, Warp{});
@@ -486,21 +486,20 @@ inline bool run_block(Block& b, char* stacks, std::uint64_t seed) {
   b.live = n;
   b.barrier_arrived = 0;
   b.failed = false;
-  b.seed = seed;
   std::memset(b.smem, 0xff, b.smem_bytes + kSmemGuardBytes);
   std::memset(b.static_smem.data(), 0xff, b.static_smem.size());
   g_block = &b;
-  // Each pass resumes every runnable thread once, in thread order when `seed` is 0, else in a fresh pseudo-random
+  // Each pass resumes every runnable thread once, in thread order when b.seed is 0, else in a fresh pseudo-random
   // order per pass (seeded by the block and the pass), so that results cannot depend on an order the hardware
   // does not promise (a missing barrier shows up as a wrong or NaN result).
   std::vector<int> order(n);
   for (int i = 0; i < n; ++i) order[i] = i;
   const std::uint64_t block_id = b.idx.x + 65536ull * (b.idx.y + 65536ull * b.idx.z);
-  std::uint64_t state = seed ? (seed * 0x9e3779b97f4a7c15ull) ^ block_id : 0;
+  std::uint64_t state = b.seed ? (b.seed * 0x9e3779b97f4a7c15ull) ^ block_id : 0;
   for (int i = 0; i < n; ++i) b.fibers[i].rng = (state ^ (0xbf58476d1ce4e5b9ull * (i + 1))) | 1;
   while (b.live > 0 && !b.failed) {
     bool ran = false;
-    if (seed) {
+    if (b.seed) {
       for (int i = n - 1; i > 0; --i) {  // Fisher-Yates with xorshift64*
         state ^= state >> 12; state ^= state << 25; state ^= state >> 27;
         std::swap(order[i], order[(state * 0x2545f4914f6cdd1dull >> 33) % static_cast<std::uint64_t>(i + 1)]);
@@ -562,6 +561,7 @@ int launch_impl(void (*kernel)(Args...), const std::uint64_t* slots, dim3 grid, 
     b.dim = block;
     b.grid = grid;
     b.smem_bytes = smem_bytes;
+    b.seed = seed;
     std::vector<char> smem(smem_bytes + kSmemGuardBytes + 128);
     b.smem = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(smem.data()) + 127) & ~std::uintptr_t(127));
     b.static_smem.assign(48 * 1024, 0);
@@ -575,7 +575,7 @@ int launch_impl(void (*kernel)(Args...), const std::uint64_t* slots, dim3 grid, 
     for (long i; !stop && (i = next++) < total;) {
       b.idx = uint3{static_cast<unsigned>(i % grid.x), static_cast<unsigned>((i / grid.x) % grid.y),
                     static_cast<unsigned>(i / (static_cast<long>(grid.x) * grid.y))};
-      if (!run_block(b, stacks.get(), seed)) {
+      if (!run_block(b, stacks.get())) {
         std::lock_guard<std::mutex> lock(err_mutex);
         if (first_error.empty()) first_error = b.error;
         stop = true;

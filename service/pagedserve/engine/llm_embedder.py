@@ -8,7 +8,7 @@ stay reusable through the prefix cache) when its prompt is done.
 
 Served with ``--embedding-model llm`` (the ``--model`` itself), or with ``--embedding-model DIR`` for a decoder
 embedding model directory (HF config with a registered causal-LM architecture, optionally a sentence-transformers
-``modules.json`` asking for lasttoken pooling), which gets an engine of its own (:func:`build_decoder_embedder`).
+``modules.json`` asking for lasttoken pooling), which gets an engine of its own (:func:`build_decoder_engine`).
 """
 from __future__ import annotations
 
