@@ -1,6 +1,6 @@
 # pagedserve on an NVIDIA GPU: a gRPC inference sidecar with the embedded models baked in.
 #   docker build -t pagedserve .
-#   docker run --gpus all -p 50051:50051 -p 9464:9464 pagedserve       # extra `pagedserve serve` flags go last
+#   docker run --gpus all -p 50051:50051 -p 8000:8000 -p 9464:9464 pagedserve       # extra `pagedserve serve` flags go last
 # Configuration: flags after the image name, or PAGEDSERVE_<FLAG> environment variables (docker run -e ...).
 # The image serves SmolLM2-135M-Instruct and all-MiniLM-L6-v2 with no network access at run time.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
@@ -48,14 +48,15 @@ ENV PATH=/opt/venv/bin:$PATH \
     CUPY_CACHE_DIR=/home/pagedserve/.cupy/kernel_cache \
     PAGEDSERVE_HOST=0.0.0.0 \
     PAGEDSERVE_PORT=50051 \
+    PAGEDSERVE_HTTP_PORT=8000 \
     PAGEDSERVE_METRICS_PORT=9464 \
     PAGEDSERVE_LOG_JSON=true
 USER 10001
 WORKDIR /home/pagedserve
-EXPOSE 50051 9464
+EXPOSE 50051 8000 9464
 # Healthy once the inference service is SERVING (models loaded and warmed up); the client CLI exits 0 only then.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 \
   CMD ["pagedserve-client", "--target", "127.0.0.1:50051", "--timeout", "5", "health", "--service", "pagedserve.v1.InferenceService"]
-# SIGTERM (docker stop, Kubernetes) drains in-flight calls for --shutdown-grace seconds, then exits 0.
+# SIGTERM (docker stop, Kubernetes) drains in-flight calls for --shutdown-grace-s seconds, then exits 0.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["pagedserve", "serve"]

@@ -161,10 +161,12 @@ class ServerProcess:
 
     def __init__(self, num_threads: int, extra_args: list[str] | None = None, ready_timeout_s: float = 600.0):
         self.port = free_port()
+        self.http_port = free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.http_base_url = f"http://127.0.0.1:{self.http_port}/v1"
         exe = os.path.join(os.path.dirname(sys.executable), "pagedserve")
-        self.argv = [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--no-embedding-model",
-                     *(extra_args or [])]
+        self.argv = [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--http-port",
+                     str(self.http_port), "--embedding-model", "none", *(extra_args or [])]
         self.env = server_env(num_threads)
         self.ready_timeout_s = ready_timeout_s
         self.log = tempfile.NamedTemporaryFile(prefix="pagedserve-bench-", suffix=".log", delete=False)

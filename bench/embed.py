@@ -102,7 +102,8 @@ def process_cpu_s(pid: int) -> float:
 
 def bench_ours(args, texts) -> dict:
     server = common.ServerProcess(args.threads, ["--no-generation-model", *args.server_arg])
-    server.argv.remove("--no-embedding-model")
+    i = server.argv.index("--embedding-model")
+    del server.argv[i:i + 2]
     with server:
         vectors, tokens, wall_s, cpu_s = asyncio.run(run_clients(server.target, texts, args.clients,
                                                                  args.call_size, server.proc.pid))

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     # HOOK(lead): the serve command line; adjust here if the CLI's flags change.
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cuda", "--attention-backend", "cuda", "--dtype", "bfloat16", "--no-embedding-model",
+           "--http-port", "0", "--device", "cuda", "--attention-backend", "cuda", "--dtype", "bfloat16", "--embedding-model", "none",
            "--max-model-len", "2048", "--num-kv-blocks", "2048", *model_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"),
                                                       os.environ.get("PYTHONPATH", "")]))

@@ -8,15 +8,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from support import ServerThread  # noqa: E402,F401  (tests/support.py)
+from support import ServerThread, free_port  # noqa: E402,F401  (tests/support.py)
 
 
 @pytest.fixture(scope="session")
 def server():
-    """The full server with both embedded models (CPU, fp32, torch attention)."""
+    """The full server with both embedded models (CPU, fp32, torch attention), gRPC and HTTP."""
     from pagedserve.config import EngineConfig, ServerConfig
 
-    s = ServerThread(ServerConfig(host="127.0.0.1", port=0),
+    s = ServerThread(ServerConfig(host="127.0.0.1", port=0, http_port=free_port()),
                      EngineConfig(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=32))
     yield s
     s.stop()

@@ -3,22 +3,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServerThread:
     """Runs :class:`pagedserve.server.app.App` on its own event loop in a daemon thread."""
 
-    def __init__(self, server_config, engine_config):
+    def __init__(self, server_config, engine_config, factory=None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self.thread.start()
-        self.app, self.port = self.run(self._start(server_config, engine_config))
+        self.app, self.port = self.run(self._start(server_config, engine_config, factory))
 
-    async def _start(self, server_config, engine_config):
+    async def _start(self, server_config, engine_config, factory):
         from pagedserve.server.app import create_server
 
-        app, port = await create_server(server_config, engine_config)
+        app, port = await create_server(server_config, engine_config, factory)
         await app.load_models()
         return app, port
 
@@ -30,8 +38,13 @@ class ServerThread:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.app.http_port}"
+
+    @property
     def engine(self):
-        return self.app.state.engine.engine
+        """The LLMEngine of the generation service."""
+        return self.app.services.generation.engine.engine
 
     def stop(self) -> None:
         self.run(self.app.stop(0))
@@ -53,20 +66,20 @@ def run_to_completion(engine, on_step=None) -> dict:
 
 
 @contextlib.contextmanager
-def server_sharing_model(server, embedding_model: str = "", **engine_kwargs):
+def server_sharing_model(server, embedding_model: str = "", http_port: int = 0, **engine_kwargs):
     """A second in-process server whose engine uses the session server's loaded weights (no embedding model
-    unless ``embedding_model`` says, e.g. "llm")."""
+    unless ``embedding_model`` says, e.g. "llm"; no HTTP API unless ``http_port``), built through the same
+    :class:`ServiceFactory` as any server, with an engine builder that reuses the weights."""
     from pagedserve.config import EngineConfig, ServerConfig
-    from pagedserve.engine import builder
+    from pagedserve.engine.builder import build_engine
+    from pagedserve.serving.factory import ServiceFactory
 
-    original = builder.build_engine
     model, tokenizer = server.engine.runner.model, server.engine.tokenizer
-    builder.build_engine = lambda config: original(config, model=model, tokenizer=tokenizer)
-    try:
-        s = ServerThread(ServerConfig(host="127.0.0.1", port=0, embedding_model=embedding_model),
-                         EngineConfig(device="cpu", dtype="float32", attention_backend="torch", **engine_kwargs))
-    finally:
-        builder.build_engine = original
+    server_config = ServerConfig(host="127.0.0.1", port=0, http_port=http_port, embedding_model=embedding_model)
+    engine_config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", **engine_kwargs)
+    factory = ServiceFactory(server_config, engine_config,
+                             build_engine=lambda config: build_engine(config, model=model, tokenizer=tokenizer))
+    s = ServerThread(server_config, engine_config, factory)
     try:
         yield s
     finally:

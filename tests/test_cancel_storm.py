@@ -20,7 +20,7 @@ NUM_BLOCKS, BLOCK_SIZE = 64, 16
 def small_server():
     from pagedserve.config import EngineConfig, ServerConfig
 
-    s = ServerThread(ServerConfig(host="127.0.0.1", port=0, embedding_model=""),
+    s = ServerThread(ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model=""),
                      EngineConfig(device="cpu", dtype="float32", attention_backend="torch", num_kv_blocks=NUM_BLOCKS,
                                   block_size=BLOCK_SIZE, max_num_seqs=32, max_num_batched_tokens=512))
     yield s
@@ -66,7 +66,7 @@ def test_cancel_storm_frees_everything(small_server):
     assert outcomes.count("DEADLINE_EXCEEDED") > 0
     engine = small_server.engine
     deadline = time.monotonic() + 10
-    while engine.has_unfinished() or small_server.app.state.engine.num_live_requests:
+    while engine.has_unfinished() or small_server.app.services.generation.num_live_requests:
         assert time.monotonic() < deadline, engine.stats()
         time.sleep(0.02)
     stats = engine.stats()

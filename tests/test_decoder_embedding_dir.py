@@ -55,9 +55,10 @@ def decoder_dir(tmp_path_factory, llm_parts):
 
 @pytest.fixture(scope="module")
 def decoder_server(decoder_dir):
-    from pagedserve.config import ServerConfig
+    from pagedserve.config import EngineConfig, ServerConfig
 
-    s = ServerThread(ServerConfig(host="127.0.0.1", port=0, embedding_model=decoder_dir, generation=False), None)
+    s = ServerThread(ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model=decoder_dir,
+                                  generation_model=False), EngineConfig())
     yield s
     s.stop()
 
@@ -87,7 +88,7 @@ def test_decoder_directory_embeds_like_sentence_transformers(decoder_dir, decode
 
 
 def test_decoder_embedding_config_recognizes_directories(tmp_path, llm_parts):
-    from pagedserve.engine.llm_embedder import decoder_embedding_config
+    from pagedserve.embedding.decoder import decoder_embedding_config
     from pagedserve.models.loader import embedded_embedding_path
 
     assert decoder_embedding_config(embedded_embedding_path()) is None  # BERT: the encoder path serves it

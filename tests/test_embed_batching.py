@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.embed_batcher import EmbedBatcher, default_num_threads
-from pagedserve.engine.embedder import Embedder
+from pagedserve.embedding.batcher import EmbedBatcher, default_num_threads
+from pagedserve.embedding.encoder import Embedder
 from pagedserve.errors import EngineUnavailableError, InvalidInputError
 
 WORDS = "paged attention keeps the key value cache in blocks so that many requests share memory well".split()

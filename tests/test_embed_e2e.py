@@ -72,7 +72,7 @@ def test_same_vector_anywhere_in_a_mixed_length_batch(client, alone):
 
 
 def test_same_vector_while_other_calls_share_its_batch(server, client, alone):
-    batcher = server.app.state.embed_batcher
+    batcher = server.app.services.embedding
     before = batcher.num_shared_micro_batches
     for _ in range(3):   # concurrent calls nearly always overlap at once; retry in case the worker kept up
         calls = [[TEXTS[i % len(TEXTS)]] + FILLERS[: 1 + i % 4] for i in range(24)]
@@ -152,7 +152,7 @@ def test_embed_stream_answers_each_request_in_place(client, alone):
 
 
 def test_deadline_drops_the_calls_pending_inputs(server, client, alone):
-    batcher = server.app.state.embed_batcher
+    batcher = server.app.services.embedding
     many = [f"{i} " + FILLERS[3] for i in range(3000)]          # minutes of work on 2 cores
     seen, done = [0], False
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from pagedserve.engine.embedder import Embedder, plan_micro_batches
+from pagedserve.embedding.encoder import Embedder, plan_micro_batches
 from pagedserve.errors import InvalidInputError
 from pagedserve.models.bert import load_bert
 

@@ -63,7 +63,7 @@ def run_streams(target: str, requests: list[pb.GenerateRequest]) -> list[tuple[s
 
 
 def assert_idle_and_free(server, timeout_s: float = 20) -> None:
-    engine, front = server.engine, server.app.state.engine
+    engine, front = server.engine, server.app.services.generation
     wait_until(lambda: not engine.has_unfinished() and not front.num_live_requests and not engine.groups,
                timeout_s, f"the engine to go idle: {engine.stats()}")
     stats = engine.stats()
@@ -129,7 +129,7 @@ def test_a_failure_in_one_of_n_completions_aborts_its_siblings(server, monkeypat
         # Without the abort, the other completion would run on for ~400 steps.
         wait_until(lambda: rid not in server.engine.groups, 5, "the sibling completion to be aborted")
     finally:  # leave nothing running for the next tests
-        server.run(server.app.state.engine.abort([rid]))
+        server.run(server.app.services.generation.abort([rid]))
     assert_idle_and_free(server)
 
 

@@ -572,7 +572,7 @@ def test_a_huge_prompt_does_not_stall_other_calls(server):
 
 
 def assert_idle(server, timeout_s: float = 30) -> None:
-    engine, front = server.engine, server.app.state.engine
+    engine, front = server.engine, server.app.services.generation
     wait_until(lambda: not engine.has_unfinished() and not front.num_live_requests and not engine.groups,
                timeout_s, engine.stats)
     stats = engine.stats()
@@ -701,7 +701,7 @@ def test_fuzz_detokenize_and_abort(fuzz):
 
 def test_after_fuzzing_the_server_is_serving_and_every_block_is_free(server, fuzz):
     fuzz.drain()
-    engine, front = server.engine, server.app.state.engine
+    engine, front = server.engine, server.app.services.generation
     wait_until(lambda: not engine.has_unfinished() and not front.num_live_requests and not engine.groups,
                30, engine.stats)
     with grpc.insecure_channel(server.target) as channel:

@@ -51,8 +51,8 @@ async def _run(config: ServerConfig, idle_s: float) -> tuple[grpc.StatusCode, fl
 
 @pytest.mark.slow
 def test_aggressive_keepalive_pings_keep_an_idle_stream_open():
-    ours = ServerConfig(host="127.0.0.1", port=0, embedding_model="")
-    strict = ServerConfig(host="127.0.0.1", port=0, embedding_model="",
+    ours = ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model="")
+    strict = ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model="",
                           http2_min_ping_interval_without_data_ms=GRPC_DEFAULT_POLICY_MS)
 
     async def both():

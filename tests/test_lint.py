@@ -51,7 +51,7 @@ def test_kubernetes_sidecar_uses_native_grpc_probes():
     for probe, service in [("readinessProbe", "pagedserve.v1.InferenceService"),
                            ("startupProbe", "pagedserve.v1.InferenceService"), ("livenessProbe", "")]:
         assert sidecar[probe]["grpc"] == {"port": port, "service": service}, probe
-    assert pod["terminationGracePeriodSeconds"] > float(env["PAGEDSERVE_SHUTDOWN_GRACE"])
+    assert pod["terminationGracePeriodSeconds"] > float(env["PAGEDSERVE_SHUTDOWN_GRACE_S"])
     from pagedserve import cli
 
     cli.build_parser(env).parse_args(["serve"])  # every variable is a known, valid setting

@@ -34,5 +34,5 @@ def test_load_has_no_unexpected_errors_flat_rss_and_frees_every_block(server, lo
     assert report.requests >= cfg.concurrency and report.outcomes.get("OK", 0) > 0
     assert report.outcomes.get("CANCELLED", 0) > 0, "the workload cancels some streams"
     assert report.blocks_free == report.blocks_total, report.summary()
-    assert not server.engine.has_unfinished() and not server.app.state.engine.num_live_requests
+    assert not server.engine.has_unfinished() and not server.app.services.generation.num_live_requests
     assert report.rss_growth_mib < RSS_GROWTH_LIMIT_MIB, report.summary()

@@ -28,7 +28,7 @@ class ServerProcess:
 
     def __init__(self, *extra: str):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--no-embedding-model",
+        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--http-port", "0", "--embedding-model", "none",
                "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--log-json", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
@@ -67,7 +67,7 @@ def _consume(call, out: dict, first: threading.Event) -> None:
 
 @pytest.mark.slow
 def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
-    server = ServerProcess("--shutdown-grace", str(GRACE_S), "--num-kv-blocks", "300")
+    server = ServerProcess("--shutdown-grace-s", str(GRACE_S), "--num-kv-blocks", "300")
     try:
         port = server.wait_event("server_listening", 60)["port"]
         server.wait_event("ready", 600)

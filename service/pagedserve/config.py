@@ -1,9 +1,19 @@
-"""Configuration: frozen, slotted dataclasses checked in ``__post_init__``. The CLI builds them from flags."""
+"""Configuration: frozen, slotted dataclasses checked in ``__post_init__``.
+
+These classes are the one source of every setting: :mod:`pagedserve.cli` derives one ``--flag`` and one
+``PAGEDSERVE_<FIELD>`` environment variable per field, with the default from the field and the help text from the
+class docstring's ``Attributes`` entry. A new setting is a field, a docstring line and (when it has a range) a check.
+A field's ``metadata["choices"]`` lists its allowed values.
+"""
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "cuda", "torch")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
@@ -32,13 +42,14 @@ class EngineConfig:
         num_kv_blocks: overrides the memory sizing when set.
         enable_prefix_caching: reuse cached full KV blocks across requests.
         max_logprobs: largest logprobs / prompt_logprobs k accepted.
-        seed: seed of the shared generator used by unseeded sampling.
+        seed: seed of the generator shared by requests that give no seed of their own (the sampler's); None seeds
+            it from the OS at start.
     """
 
     model: str | None = None
-    dtype: str = "auto"
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})
     device: str = "auto"
-    attention_backend: str = "auto"
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -50,7 +61,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
@@ -69,24 +80,33 @@ class EngineConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(0 <= self.max_logprobs <= 1024, "max_logprobs", "must be in [0, 1024]")
+        _check(self.seed is None or 0 <= self.seed < 2 ** 64, "seed", "must be in [0, 2**64)")
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """The gRPC server around the engines.
+    """The servers around the engines: gRPC, the OpenAI-compatible HTTP API, metrics, logging.
 
     Attributes:
-        host, port: where to listen (port 0 picks a free port).
+        host: address the gRPC and HTTP ports bind.
+        port: gRPC port (0 picks a free port).
+        http_port: OpenAI-compatible HTTP API port (same host); 0 turns the HTTP API off.
+        served_model_name: the model name the HTTP API lists at /v1/models and accepts in ``model``; None derives
+            it from the generation model (its directory or file name, or the embedded model's name).
+        api_key: when set, every HTTP ``/v1/*`` request needs ``Authorization: Bearer <key>`` (401 otherwise).
+        max_request_body_bytes: largest HTTP request body accepted (413 above it).
+        generation_model: serve the generation model; --no-generation-model serves Embed only.
         embedding_model: HF/sentence-transformers directory (a BERT-family encoder, or a decoder embedding model
-            served by an engine of its own); None for the embedded all-MiniLM-L6-v2; "" for none; "llm" to embed
-            with the generation model (last-token pooling through its engine).
-        max_embed_batch_tokens: padded tokens (rows * longest input) per embedding micro-batch, across calls.
+            served by an engine of its own with last-token pooling); None: the embedded all-MiniLM-L6-v2; "none"
+            (or ""): no embedding model; "llm": embed with the generation model through its engine.
+        max_embed_batch_tokens: padded tokens (rows * longest input) per embedding micro-batch; inputs of
+            concurrent Embed calls share micro-batches grouped by length.
         embed_threads: torch intra-op threads of the embedding worker; None: half of torch's threads when a
-            generation model shares the CPU, else torch's setting (engine.embed_batcher.default_num_threads).
-        generation: False serves no generation model (Embed only).
-        shutdown_grace_s: seconds in-flight calls get to finish after SIGTERM before open streams end with ABORT.
-        max_send_message_bytes, max_receive_message_bytes: largest gRPC message sent / accepted
-            (``grpc.max_send_message_length`` / ``grpc.max_receive_message_length``).
+            generation model shares the CPU, else torch's setting.
+        shutdown_grace_s: seconds in-flight calls get to finish after SIGTERM/SIGINT before open streams end with
+            ABORT.
+        max_send_message_bytes: largest gRPC message sent (``grpc.max_send_message_length``).
+        max_receive_message_bytes: largest gRPC message accepted (``grpc.max_receive_message_length``).
         keepalive_time_ms: the server pings an idle connection after this long (``grpc.keepalive_time_ms``).
         keepalive_timeout_ms: and closes it when the ping is not answered within this (``grpc.keepalive_timeout_ms``).
         keepalive_permit_without_calls: keepalive pings are allowed on connections with no open call: the
@@ -97,16 +117,23 @@ class ServerConfig:
             0 means no limit (``grpc.http2.max_ping_strikes``).
         http2_max_pings_without_data: pings the server sends with no data in between; 0 means no limit
             (``grpc.http2.max_pings_without_data``).
-        metrics_host, metrics_port: Prometheus text exposition over HTTP at ``/metrics``; port None: off,
-            0: a free port.
+        metrics_host: address the Prometheus endpoint binds.
+        metrics_port: Prometheus text exposition over HTTP at ``/metrics`` on this port; None: off, 0: a free
+            port. The HTTP API serves the same registry at ``/metrics`` too.
+        log_level: the lowest level logged.
+        log_json: JSON log lines; None: when stdout is not a TTY.
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    generation_model: bool = True
     embedding_model: str | None = None
     max_embed_batch_tokens: int = 2048
     embed_threads: int | None = None
-    generation: bool = True
     shutdown_grace_s: float = 10.0
     max_send_message_bytes: int = 16 * 1024 * 1024
     max_receive_message_bytes: int = 16 * 1024 * 1024
@@ -118,9 +145,19 @@ class ServerConfig:
     http2_max_pings_without_data: int = 0
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None
+    log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
+    log_json: bool | None = None
 
     def __post_init__(self) -> None:
-        _check(0 <= self.port <= 65535, "port", "must be in [0, 65535]")
+        if self.embedding_model is not None and self.embedding_model.lower() == "none":
+            object.__setattr__(self, "embedding_model", "")
+        for name in ("port", "http_port", "metrics_port"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= 65535, name, "must be in [0, 65535]")
+        _check(self.api_key is None or len(self.api_key) > 0, "api_key", "must not be empty")
+        _check(self.served_model_name is None or len(self.served_model_name) > 0, "served_model_name",
+               "must not be empty")
+        _check(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         _check(self.max_embed_batch_tokens >= 1, "max_embed_batch_tokens", "must be >= 1")
         _check(self.embed_threads is None or self.embed_threads >= 1, "embed_threads", "must be >= 1")
         _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
@@ -131,10 +168,12 @@ class ServerConfig:
         for name in ("http2_min_ping_interval_without_data_ms", "http2_max_ping_strikes",
                      "http2_max_pings_without_data"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
-        _check(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
-               "must be in [0, 65535]")
-        _check(self.metrics_port is None or self.metrics_port == 0 or self.metrics_port != self.port,
-               "metrics_port", "must differ from port")
+        for name, other in (("http_port", "port"), ("metrics_port", "port"), ("metrics_port", "http_port")):
+            a, b = getattr(self, name), getattr(self, other)
+            _check(not a or a != b, name, f"must differ from {other}")
+        _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
+        _check(self.generation_model or self.embedding_model != "", "generation_model",
+               "serving neither a generation nor an embedding model")
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """The grpc.aio server channel arguments these settings map to (gRPC core's own option names)."""

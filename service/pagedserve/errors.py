@@ -31,7 +31,3 @@ class EngineUnavailableError(PagedServeError):
 
 class ModelNotLoadedError(PagedServeError):
     """The RPC needs a model that is not loaded (Embed without an embedding model) -> FAILED_PRECONDITION."""
-
-
-class UnimplementedFieldError(PagedServeError):
-    """A field the API defines but this build does not implement yet -> UNIMPLEMENTED."""

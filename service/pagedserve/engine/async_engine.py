@@ -1,7 +1,8 @@
 """The asyncio front of the engine: the step loop runs on its own thread and never blocks the event loop.
 
-Callers on the event loop submit commands (add, abort) through a thread-safe queue; the engine thread wakes on an
-event (no polling), runs steps while there is work, and hands each step's deltas back to the loop in one
+Callers on the event loop submit typed commands (:class:`AddRequest`, :class:`AddPoolingRequest`,
+:class:`AbortRequests`) through a thread-safe queue; the engine thread wakes on an event (no polling), runs them
+between steps, runs steps while there is work, and hands each step's deltas back to the loop in one
 ``call_soon_threadsafe``. Each request has an asyncio queue its ``generate()`` iterator reads. Leaving the iterator
 early (client cancel, deadline) aborts the request, which frees its KV blocks at the next step.
 """
@@ -13,6 +14,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -22,6 +24,39 @@ from .llm_engine import CompletionDelta, LLMEngine, Usage
 from .sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Queue a generation request (:meth:`LLMEngine.add_request`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AddPoolingRequest:
+    """Queue a pooling (embedding) request (:meth:`LLMEngine.add_pooling_request`)."""
+
+    request_id: str
+    token_ids: list[int]
+    priority: int = 0
+    cache_salt: str | None = None
+    field: str = "inputs"        # the request field errors name
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    """Abort live requests; ``quiet``: their final deltas go to their streams and nobody awaits the result."""
+
+    request_ids: tuple[str, ...]
+    quiet: bool = False
+
+
+EngineCommand = AddRequest | AddPoolingRequest | AbortRequests
 
 
 class AsyncEngine:
@@ -72,8 +107,8 @@ class AsyncEngine:
             DuplicateRequestError, InvalidInputError, QueueFullError: from validation.
             EngineUnavailableError: shutting down or the engine died (also raised mid-stream).
         """
-        async for delta in self._stream(request_id, params.n, self.engine.add_request, request_id, prompt_token_ids,
-                                        params, priority, cache_salt):
+        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt)
+        async for delta in self._stream(request_id, params.n, command):
             yield delta
 
     async def embed(self, request_id: str, token_ids: list[int], priority: int = 0, cache_salt: str | None = None,
@@ -87,16 +122,16 @@ class AsyncEngine:
             InvalidInputError (naming ``field``), DuplicateRequestError, QueueFullError: from validation.
             EngineUnavailableError: shutting down or the engine died.
         """
-        async with contextlib.aclosing(self._stream(request_id, 1, self.engine.add_pooling_request, request_id,
-                                                    token_ids, priority, cache_salt, field)) as deltas:
+        command = AddPoolingRequest(request_id, token_ids, priority, cache_salt, field)
+        async with contextlib.aclosing(self._stream(request_id, 1, command)) as deltas:
             async for delta in deltas:
                 if delta.finish_reason is not None and delta.embedding is not None:
                     return delta.embedding, delta.usage
         raise EngineUnavailableError(f"request {request_id!r} ended without an embedding (aborted)")
 
-    async def _stream(self, request_id: str, num_completions: int, add: Callable, *args
+    async def _stream(self, request_id: str, num_completions: int, command: EngineCommand
                       ) -> AsyncIterator[CompletionDelta]:
-        """Queue a request with ``add(*args)`` on the engine thread and yield its deltas until its
+        """Queue a request with ``command`` on the engine thread and yield its deltas until its
         ``num_completions`` completions have finished; a consumer that stops early aborts it."""
         self._check_alive()
         if request_id in self._streams:
@@ -105,7 +140,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         finished = False
         try:
-            await self._submit(add, *args)
+            await self._submit(command)
             remaining = num_completions
             while remaining:
                 delta = await stream.get()
@@ -120,20 +155,16 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished and self.dead is None and not self._stopping:
-                self._commands.put((self._abort_quiet, ([request_id],), None))
+                self._commands.put((AbortRequests((request_id,), quiet=True), None))
                 self._wakeup.set()
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         """Abort live requests; returns the ids that were live. Idempotent."""
         if self.dead is not None or self._thread is None:
             return []
-        aborted, deltas = await self._submit(self.engine.abort, request_ids)
+        aborted, deltas = await self._submit(AbortRequests(tuple(request_ids)))
         self._dispatch(deltas)
         return aborted
-
-    async def call(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on the engine thread between steps (for reads that must not race a step)."""
-        return await self._submit(fn, *args)
 
     # ---- internals ---------------------------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -142,28 +173,40 @@ class AsyncEngine:
         if self._stopping or self._thread is None:
             raise EngineUnavailableError("the engine is shutting down")
 
-    async def _submit(self, fn: Callable, *args):
+    async def _submit(self, command: EngineCommand):
         self._check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, args, fut))
+        self._commands.put((command, fut))
         self._wakeup.set()
         return await asyncio.wrap_future(fut)
 
-    def _abort_quiet(self, request_ids: list[str]) -> None:
-        _, deltas = self.engine.abort(request_ids)
-        if deltas:
-            self._loop.call_soon_threadsafe(self._dispatch, deltas)
+    def _execute(self, command: EngineCommand):
+        """Run one command on the engine thread; returns what the engine method returned."""
+        if isinstance(command, AddRequest):
+            return self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                           command.priority, command.cache_salt)
+        if isinstance(command, AddPoolingRequest):
+            return self.engine.add_pooling_request(command.request_id, command.token_ids, command.priority,
+                                                   command.cache_salt, command.field)
+        if isinstance(command, AbortRequests):
+            aborted, deltas = self.engine.abort(list(command.request_ids))
+            if command.quiet:
+                if deltas:
+                    self._loop.call_soon_threadsafe(self._dispatch, deltas)
+                return None
+            return aborted, deltas
+        raise TypeError(f"unknown engine command {type(command).__name__}")
 
     def _drain_commands(self) -> None:
         while True:
             try:
-                fn, args, fut = self._commands.get_nowait()
+                command, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
             if fut is not None and not fut.set_running_or_notify_cancel():
                 continue  # the caller was cancelled before the command ran (its generate() queued an abort)
             try:
-                result = fn(*args)
+                result = self._execute(command)
             except Exception as exc:
                 if fut is None:
                     log.exception("engine_command_failed")
@@ -194,7 +237,7 @@ class AsyncEngine:
     def _fail_pending_commands(self) -> None:
         while True:
             try:
-                _, _, fut = self._commands.get_nowait()
+                _, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
             if fut is not None and not fut.done():

@@ -147,7 +147,7 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
         max_model_len = min(model_max, capacity)
     kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
                                    model.head_dim, dtype, device)
-    runner = ModelRunner(model, backend, kv_caches, config.block_size, device)
+    runner = ModelRunner(model, backend, kv_caches, config.block_size, device, config.seed)
     engine = LLMEngine(config, runner, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
                        int(hf_config.vocab_size))

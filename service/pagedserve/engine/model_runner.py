@@ -50,15 +50,17 @@ class ModelRunner:
         kv_caches: from :func:`allocate_kv_caches`.
         block_size: tokens per KV block.
         device: where the model runs.
+        seed: seed of the sampler's generator shared by requests without a seed of their own (None: from the OS).
     """
 
-    def __init__(self, model, backend: AttentionBackend, kv_caches, block_size: int, device):
+    def __init__(self, model, backend: AttentionBackend, kv_caches, block_size: int, device,
+                 seed: int | None = None):
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed)
 
     def prepare(self, entries: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat ``input_ids [T]``, ``positions [T]`` (int64) and the attention metadata for ``entries``.

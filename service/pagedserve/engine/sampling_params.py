@@ -150,11 +150,6 @@ class SamplingParams:
         """True when sampling is argmax: temperature 0 (or below 1e-5, where fp32 division would overflow)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
-    @property
-    def max_num_logprobs(self) -> int:
-        """The larger of logprobs and prompt_logprobs, 0 when neither is set."""
-        return max(self.logprobs or 0, self.prompt_logprobs or 0)
-
     def validate_for_model(self, vocab_size: int, max_logprobs: int = 20) -> None:
         """Checks that need the served model.
 

@@ -1,71 +1,87 @@
-"""Proto <-> engine conversion. Pure functions; every validation error names the request field."""
+"""Proto <-> plain serving types. Pure functions; every validation error names the request field.
+
+The sampling fields are not listed here: :func:`sampling_from_proto` walks the ``SamplingParams`` message's
+descriptor, and a test checks that its fields and the engine's :class:`SamplingParams` fields are the same set.
+"""
 from __future__ import annotations
 
-import math
+from google.protobuf.descriptor import FieldDescriptor
 
 from pagedserve_client.v1 import inference_pb2 as pb
 
 from ..engine.llm_engine import CompletionDelta
 from ..engine.sampling_params import SamplingParams
 from ..errors import InvalidInputError
+from ..serving.generation import GenerateCall
+from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT}
-_OPTIONAL_SCALARS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "include_stop_str_in_output",
-                     "ignore_eos", "n", "logprobs", "prompt_logprobs", "skip_special_tokens",
-                     "truncate_prompt_tokens")
+_FLOAT_TYPES = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Build engine SamplingParams; unset optional fields keep their defaults, an explicit 0 means 0.
+    """Build engine SamplingParams from every field of the message: unset optional fields keep the engine's
+    defaults, an explicit 0 means 0; repeated fields become tuples, the ``logit_bias`` map sorted pairs.
 
     Raises:
-        InvalidInputError: a value out of range (field ``sampling.<name>``).
+        InvalidInputError: a value out of range, or not finite (field ``sampling.<name>``).
     """
-    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if name in kwargs:
-            kwargs[name] = float(kwargs[name])
-            if not math.isfinite(kwargs[name]):
-                raise InvalidInputError(f"must be finite, got {kwargs[name]}", f"sampling.{name}")
-    kwargs["stop"] = tuple(msg.stop)
-    kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
-    kwargs["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items()))
+    kwargs: dict = {}
+    for fd in msg.DESCRIPTOR.fields:
+        value = getattr(msg, fd.name)
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            kwargs[fd.name] = tuple(sorted((int(k), float(v)) for k, v in value.items()))
+        elif fd.is_repeated:
+            kwargs[fd.name] = tuple(value)
+        elif msg.HasField(fd.name):
+            kwargs[fd.name] = float(value) if fd.cpp_type in _FLOAT_TYPES else value
     return SamplingParams(**kwargs)
 
 
-def messages_to_dicts(msgs: pb.ChatMessages, field: str) -> list[dict]:
+def messages_from_proto(msgs: pb.ChatMessages, field: str) -> tuple[dict, ...]:
+    """Chat messages as ``{"role", "content"}`` dicts. Raises InvalidInputError (``field``) when empty."""
     if not msgs.messages:
         raise InvalidInputError("needs at least one message", field)
-    return [{"role": m.role, "content": m.content} for m in msgs.messages]
+    return tuple({"role": m.role, "content": m.content} for m in msgs.messages)
 
 
-def apply_chat_template(tokenizer, messages: list[dict], field: str, add_generation_prompt: bool = True) -> list[int]:
-    """Render chat messages with the model's template and tokenize (HF ``apply_chat_template`` semantics)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidInputError("the model has no chat template; send prompt or prompt_token_ids", field)
-    try:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja errors from bad roles or content
-        raise InvalidInputError(f"the chat template rejected the messages: {exc}", field) from exc
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def prompt_from_proto(req: pb.GenerateRequest, tokenizer) -> list[int]:
-    """The request's prompt token ids (``prompt`` is tokenized as is, with the tokenizer's special tokens).
+def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:
+    """The request's prompt (``prompt`` is tokenized as is, with the tokenizer's special tokens).
 
     Raises:
-        InvalidInputError: no input set (field ``input``).
+        InvalidInputError: no input set (field ``input``), no chat messages.
     """
     which = req.WhichOneof("input")
     if which == "prompt":
-        return list(tokenizer.encode(req.prompt))
+        return TextPrompt(req.prompt)
     if which == "prompt_token_ids":
-        return list(req.prompt_token_ids.ids)
+        return TokenPrompt(tuple(req.prompt_token_ids.ids))
     if which == "messages":
-        return apply_chat_template(tokenizer, messages_to_dicts(req.messages, "messages"), "messages")
+        return ChatPrompt(messages_from_proto(req.messages, "messages"))
     raise InvalidInputError("exactly one of prompt, prompt_token_ids or messages is required", "input")
+
+
+def generate_call_from_proto(req: pb.GenerateRequest) -> GenerateCall:
+    """A :class:`GenerateCall` from a GenerateRequest (empty request_id / cache_salt mean none)."""
+    return GenerateCall(prompt_from_proto(req), sampling_from_proto(req.sampling), req.request_id or None,
+                        req.priority, req.cache_salt or None)
+
+
+def tokenize_prompt_from_proto(req: pb.TokenizeRequest) -> Prompt:
+    """The prompt of a TokenizeRequest (defaults: special tokens added, generation prompt added).
+
+    Raises:
+        InvalidInputError: neither text nor messages (field ``input``).
+    """
+    which = req.WhichOneof("input")
+    if which == "messages":
+        add_gen = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+        return ChatPrompt(messages_from_proto(req.messages, "messages"), add_gen)
+    if which == "text":
+        add_special = req.add_special_tokens if req.HasField("add_special_tokens") else True
+        return TextPrompt(req.text, add_special, field="text")
+    raise InvalidInputError("exactly one of text or messages is required", "input")
 
 
 def _logprob_entries(lps, tokenizer) -> list[pb.TokenLogprob]:
@@ -98,7 +114,8 @@ def delta_to_proto(d: CompletionDelta, tokenizer) -> pb.GenerateResponse:
 
 
 def embed_options(req: pb.EmbedRequest) -> dict:
-    """``Embedder.embed`` keyword arguments from an EmbedRequest (defaults: normalize true, truncate false)."""
+    """``EmbeddingService.embed`` keyword arguments from an EmbedRequest (defaults: normalize true, truncate
+    false, all dimensions)."""
     return {"normalize": req.normalize if req.HasField("normalize") else True,
             "truncate": req.truncate if req.HasField("truncate") else False,
             "dimensions": req.dimensions if req.HasField("dimensions") else None}

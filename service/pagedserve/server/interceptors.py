@@ -24,7 +24,6 @@ STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.ModelNotLoadedError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.UnimplementedFieldError, grpc.StatusCode.UNIMPLEMENTED),
 ]
 
 
@@ -149,7 +148,7 @@ class CallTrackingInterceptor(grpc.aio.ServerInterceptor):
     """Shutdown gate, in-flight count and gRPC metrics.
 
     Args:
-        metrics: a :class:`~pagedserve.server.metrics.ServerMetrics`.
+        metrics: a :class:`~pagedserve.serving.metrics.ServerMetrics`.
         refuse: ``refuse(full_method)`` returns a reason to refuse the call with UNAVAILABLE, or None.
         drained_service: calls of this service (``pagedserve.v1.InferenceService``) are counted in
             :attr:`num_in_flight`; health and reflection calls are not.

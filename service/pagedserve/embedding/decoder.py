@@ -21,8 +21,9 @@ import uuid
 import torch
 
 from ..config import EngineConfig
-from .embedder import (EmbedResult, Embedder, SentenceTransformersConfig, check_dimensions,
-                       read_sentence_transformers_config, tokenize_inputs)
+from .interface import (EmbeddingModelInfo, EmbedInputs, EmbedResult, check_dimensions, check_token_id_inputs,
+                        finish_vectors, is_token_id_inputs, tokenize_inputs)
+from .st_config import SentenceTransformersConfig, read_sentence_transformers_config
 
 DECODER_EMBEDDING_KV_CACHE_BYTES = 256 * 2 ** 20  # a pooling request frees its blocks once its prompt is done
 MAX_INPUTS_IN_FLIGHT = 256  # pooling requests one embedder keeps in the engine at once (at most half its queue)
@@ -31,9 +32,9 @@ MAX_INPUTS_IN_FLIGHT = 256  # pooling requests one embedder keeps in the engine 
 class LLMEmbedder:
     """The Embed API over an :class:`~pagedserve.engine.async_engine.AsyncEngine`, last-token pooling.
 
-    It stands where :class:`~pagedserve.engine.embed_batcher.EmbedBatcher` stands (``await embed(...)``) and
-    carries the model facts :class:`~pagedserve.engine.embedder.Embedder` exposes for GetModelInfo. Batching
-    across calls is the engine's continuous batching.
+    An :class:`~pagedserve.embedding.interface.EmbeddingService`, like
+    :class:`~pagedserve.embedding.batcher.EmbedBatcher`. Batching across calls is the engine's continuous
+    batching.
 
     Args:
         engine: the running async engine (its ``engine`` attribute is the :class:`LLMEngine`).
@@ -62,27 +63,39 @@ class LLMEmbedder:
             MAX_INPUTS_IN_FLIGHT
         self._slots = asyncio.Semaphore(self.max_inputs_in_flight)
         self.dimension = int(inner.runner.model.config.hidden_size)
+        self._vocab_size = inner.vocab_size
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """Raises InvalidInputError (field "dimensions") unless ``dimensions`` is None or in ``[1, dimension]``."""
         check_dimensions(dimensions, self.dimension)
 
+    @property
+    def info(self) -> EmbeddingModelInfo:
+        """The model facts GetModelInfo reports."""
+        return EmbeddingModelInfo(self.name, self.architecture, self.dtype, self.max_input_tokens, self.dimension,
+                                  self.pooling)
+
     def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
-        """Token ids per text with the model's special tokens; see :func:`~pagedserve.engine.embedder.tokenize_inputs`
-        (limit ``max_input_tokens``) for truncation and the InvalidInputError raised."""
+        """Token ids per text with the model's special tokens; see
+        :func:`~pagedserve.embedding.interface.tokenize_inputs` (limit ``max_input_tokens``) for truncation and the
+        InvalidInputError raised."""
         return tokenize_inputs(self.tokenizer, texts, self.max_input_tokens, truncate)
 
-    async def embed(self, texts: list[str], normalize: bool = True, truncate: bool = False,
+    async def embed(self, inputs: EmbedInputs, normalize: bool = True, truncate: bool = False,
                     dimensions: int | None = None) -> EmbedResult:
-        """Embed texts: ``[N, D']`` float32 vectors in input order (``Embedder.embed`` semantics for
-        ``normalize`` and ``dimensions``), ``prompt_tokens`` = tokens run, special tokens included.
+        """Embed texts or token id sequences: ``[N, D']`` float32 vectors in input order (``Embedder.embed``
+        semantics for ``normalize`` and ``dimensions``), ``prompt_tokens`` = tokens run, special tokens included.
 
         Raises:
-            InvalidInputError: see :meth:`tokenize`; "dimensions" out of range.
+            InvalidInputError: see :meth:`tokenize` and
+                :func:`~pagedserve.embedding.interface.check_token_id_inputs`; "dimensions" out of range.
             QueueFullError, EngineUnavailableError: from the engine. Cancelling aborts every input's request.
         """
         self.check_dimensions(dimensions)
-        token_ids = await asyncio.to_thread(self.tokenize, texts, truncate)  # long texts must not stall the loop
+        if is_token_id_inputs(inputs):
+            token_ids = check_token_id_inputs(list(inputs), self.max_input_tokens, self._vocab_size, truncate)
+        else:  # long texts must not stall the loop
+            token_ids = await asyncio.to_thread(self.tokenize, inputs, truncate)
         call_id = uuid.uuid4().hex
         tasks = [asyncio.ensure_future(self._embed_one(f"embed-{call_id}-{i}", seq, f"inputs[{i}]"))
                  for i, seq in enumerate(token_ids)]
@@ -96,14 +109,11 @@ class LLMEmbedder:
         vectors = torch.stack([vec for vec, _ in outcomes])
         if self.normalize_module:
             vectors = torch.nn.functional.normalize(vectors, p=2, dim=-1)
-        return EmbedResult(Embedder.finish(vectors, normalize, dimensions), sum(map(len, token_ids)))
+        return EmbedResult(finish_vectors(vectors, normalize, dimensions), sum(map(len, token_ids)))
 
     async def _embed_one(self, request_id: str, token_ids: list[int], field: str) -> tuple[torch.Tensor, object]:
         async with self._slots:
             return await self._engine.embed(request_id, token_ids, field=field)
-
-    def close(self) -> None:
-        """Nothing to do synchronously: see :meth:`aclose`."""
 
     async def aclose(self) -> None:
         """Stop the engine when it is this embedder's own (a decoder embedding directory), not the generation one."""
@@ -145,7 +155,7 @@ def build_decoder_engine(st: SentenceTransformersConfig, base: EngineConfig | No
     Returns:
         ``(LLMEngine, EngineInfo)`` from :func:`pagedserve.engine.builder.build_engine` (not warmed up).
     """
-    from .builder import build_engine
+    from ..engine.builder import build_engine
 
     base = base or EngineConfig()
     return build_engine(dataclasses.replace(base, model=st.model_dir, max_model_len=None, num_kv_blocks=None,

@@ -8,90 +8,16 @@ padded keys are masked in attention, so a text gives the same vector alone or in
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pagedserve.errors import InvalidInputError
-from pagedserve.models.bert import BertEncoder, PackedBatch, load_bert
-
-# sentence-transformers legacy Pooling config keys -> pooling mode names (newer configs store "pooling_mode").
-_LEGACY_POOLING_KEYS = {
-    "pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
-}
-POOLING_MODES = ("mean", "cls", "lasttoken")
-
-
-@dataclass(frozen=True, slots=True)
-class EmbedResult:
-    """The answer to one :meth:`Embedder.embed` call."""
-
-    vectors: torch.Tensor   # [N, D'] float32 on CPU, row i for input i; D' = dimensions or the model's dimension
-    prompt_tokens: int      # tokens run through the model over all inputs, special tokens included, after truncation
-
-
-@dataclass(frozen=True, slots=True)
-class SentenceTransformersConfig:
-    """What a sentence-transformers directory says about the pipeline around the encoder."""
-
-    model_dir: str               # directory holding config.json, the weights and the tokenizer
-    pooling: str                 # one of POOLING_MODES
-    normalize: bool              # a Normalize module follows pooling (the model's vectors are unit length)
-    max_seq_length: int | None   # sentence_bert_config.json "max_seq_length", None when absent
-    do_lower_case: bool          # sentence_bert_config.json "do_lower_case": lowercase text before tokenizing
-
-
-def _read_json(path: str):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _pooling_mode(pooling_dir: str) -> str:
-    cfg = _read_json(os.path.join(pooling_dir, "config.json"))
-    mode = cfg.get("pooling_mode")
-    if mode is None:
-        mode = [name for key, name in _LEGACY_POOLING_KEYS.items() if cfg.get(key)]
-    if isinstance(mode, list):
-        mode = mode[0] if len(mode) == 1 else tuple(mode)
-    if mode not in POOLING_MODES:
-        raise ValueError(f"{pooling_dir}: pooling mode {mode!r} is not supported; expected one of {POOLING_MODES}")
-    return mode
-
-
-def read_sentence_transformers_config(path: str) -> SentenceTransformersConfig:
-    """Read ``modules.json`` and the module configs under ``path``. A plain HF directory (no modules.json) gets
-    sentence-transformers' defaults: mean pooling, no Normalize.
-
-    Raises:
-        FileNotFoundError: a module's directory or config file named by modules.json is missing.
-        ValueError: a module type other than Transformer / Pooling / Normalize, or an unsupported pooling mode.
-    """
-    modules_path = os.path.join(path, "modules.json")
-    if not os.path.isfile(modules_path):
-        return SentenceTransformersConfig(path, "mean", False, None, False)
-    model_dir, pooling, normalize = path, "mean", False
-    for module in _read_json(modules_path):
-        kind = module["type"].rsplit(".", 1)[-1]
-        module_dir = os.path.join(path, module.get("path", ""))
-        if kind == "Transformer":
-            model_dir = module_dir
-        elif kind == "Pooling":
-            pooling = _pooling_mode(module_dir)
-        elif kind == "Normalize":
-            normalize = True
-        else:
-            raise ValueError(f"{path}: sentence-transformers module {module['type']!r} is not supported")
-    st_path = os.path.join(model_dir, "sentence_bert_config.json")
-    st_cfg = _read_json(st_path) if os.path.isfile(st_path) else {}
-    return SentenceTransformersConfig(model_dir, pooling, normalize, st_cfg.get("max_seq_length"),
-                                      bool(st_cfg.get("do_lower_case", False)))
-
+from ..models.bert import BertEncoder, PackedBatch, load_bert
+from .interface import (EmbeddingModelInfo, EmbedResult, check_dimensions, check_token_id_inputs, finish_vectors,
+                        tokenize_inputs)
+from .st_config import POOLING_MODES, read_sentence_transformers_config
 
 def pool_packed(hidden: torch.Tensor, lengths: torch.Tensor, mode: str) -> torch.Tensor:
     """Pool sequences packed end to end into one vector each (sentence-transformers Pooling semantics).
@@ -127,41 +53,6 @@ def plan_micro_batches(lengths: list[int], max_batch_tokens: int) -> list[list[i
     if current:
         batches.append(current)
     return batches
-
-
-def tokenize_inputs(tokenizer, texts: list[str], limit: int, truncate: bool = False,
-                    lower_case: bool = False) -> list[list[int]]:
-    """Token ids per text with the model's special tokens (``add_special_tokens=True``), for the Embed API.
-
-    ``truncate`` keeps the first tokens so that each input is at most ``limit`` long, special tokens included (HF
-    tokenizer truncation, as sentence-transformers does); ``lower_case`` lowercases the texts first.
-
-    Raises:
-        InvalidInputError: field "inputs" for an empty list; "inputs[i]" for a non-string, a text that tokenizes to
-            nothing, or one longer than ``limit`` when ``truncate`` is false (the message gives both counts).
-    """
-    if not texts:
-        raise InvalidInputError("at least one input is required", field="inputs")
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise InvalidInputError(f"must be a string, got {type(text).__name__}", field=f"inputs[{i}]")
-    if lower_case:
-        texts = [t.lower() for t in texts]
-    ids = tokenizer(list(texts), add_special_tokens=True, truncation=truncate,
-                    max_length=limit if truncate else None, verbose=False)["input_ids"]
-    for i, seq in enumerate(ids):
-        if not seq:
-            raise InvalidInputError("tokenizes to no tokens", field=f"inputs[{i}]")
-        if len(seq) > limit:
-            raise InvalidInputError(f"input has {len(seq)} tokens, more than the model's limit of {limit} "
-                                    f"tokens (set truncate to keep the first {limit})", field=f"inputs[{i}]")
-    return ids
-
-
-def check_dimensions(dimensions: int | None, dimension: int) -> None:
-    """Raises InvalidInputError (field "dimensions") unless ``dimensions`` is None or in ``[1, dimension]``."""
-    if dimensions is not None and not 0 < dimensions <= dimension:
-        raise InvalidInputError(f"must be in [1, {dimension}], got {dimensions}", field="dimensions")
 
 
 class Embedder:
@@ -228,6 +119,12 @@ class Embedder:
     max_batch_tokens = property(lambda self: self._max_batch_tokens,
                                 doc="padded tokens (rows * longest) per micro-batch, unless one input is longer")
 
+    @property
+    def info(self) -> EmbeddingModelInfo:
+        """The model facts GetModelInfo reports."""
+        return EmbeddingModelInfo(self.name, self.architecture, self.dtype, self.max_input_tokens, self.dimension,
+                                  self.pooling)
+
     def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
         """Token ids per text, special tokens included ([CLS] ... [SEP] for BERT).
 
@@ -257,41 +154,29 @@ class Embedder:
             vectors = self._encode(token_ids)
         return EmbedResult(self.finish(vectors, normalize, dimensions), sum(len(seq) for seq in token_ids))
 
-    def embed_token_ids(self, token_ids: list[list[int]], normalize: bool = True,
+    def embed_token_ids(self, token_ids: list[list[int]], normalize: bool = True, truncate: bool = False,
                         dimensions: int | None = None) -> EmbedResult:
         """Like :meth:`embed` for already tokenized inputs (special tokens included, as :meth:`tokenize` gives).
 
         Raises:
-            InvalidInputError: "inputs" for an empty list; "inputs[i]" for an empty, too long or out-of-vocabulary
-                sequence; "dimensions" as in :meth:`embed`.
+            InvalidInputError: see :func:`~pagedserve.embedding.interface.check_token_id_inputs`; "dimensions" as
+                in :meth:`embed`.
         """
         self.check_dimensions(dimensions)
-        if not token_ids:
-            raise InvalidInputError("at least one input is required", field="inputs")
-        vocab_size = self._model.config.vocab_size
-        for i, seq in enumerate(token_ids):
-            if not 0 < len(seq) <= self._max_input_tokens:
-                raise InvalidInputError(f"input has {len(seq)} tokens; expected 1 to {self._max_input_tokens}",
-                                        field=f"inputs[{i}]")
-            if min(seq) < 0 or max(seq) >= vocab_size:
-                raise InvalidInputError(f"token ids must be in [0, {vocab_size})", field=f"inputs[{i}]")
+        token_ids = self.check_token_ids(token_ids, truncate)
         with self._lock:
             vectors = self._encode(token_ids)
         return EmbedResult(self.finish(vectors, normalize, dimensions), sum(len(seq) for seq in token_ids))
+
+    def check_token_ids(self, token_ids: list[list[int]], truncate: bool = False) -> list[list[int]]:
+        """Token id inputs checked against ``max_input_tokens`` and the vocabulary (cut with ``truncate``)."""
+        return check_token_id_inputs(token_ids, self._max_input_tokens, self._model.config.vocab_size, truncate)
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """Raises InvalidInputError (field "dimensions") unless ``dimensions`` is None or in ``[1, dimension]``."""
         check_dimensions(dimensions, self.dimension)
 
-    @staticmethod
-    def finish(vectors: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:
-        """The API's post-processing of pipeline vectors ``[N, dimension]``: keep the first ``dimensions``
-        columns (all when None), then L2-normalize rows when ``normalize``. Returns ``[N, D']`` contiguous."""
-        if dimensions is not None:
-            vectors = vectors[:, :dimensions]
-        if normalize:
-            vectors = F.normalize(vectors, p=2, dim=-1)
-        return vectors.contiguous()
+    finish = staticmethod(finish_vectors)
 
     def encode_micro_batch(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Run one micro-batch as is (no regrouping): the model's pipeline vectors (pooled, then its Normalize

@@ -6,7 +6,7 @@ the gRPC server metrics use the names of go-grpc-prometheus / py-grpc-prometheus
 one process do not collide) and is served as Prometheus text over HTTP by :meth:`ServerMetrics.start_http`.
 
 Engine gauges and the engine's cumulative counters (prefix cache, preemptions) are read from
-``LLMEngine.stats()`` at scrape time; request metrics are recorded by :mod:`pagedserve.server.request_metrics`.
+``LLMEngine.stats()`` at scrape time; request metrics are recorded by :mod:`pagedserve.serving.request_metrics`.
 """
 from __future__ import annotations
 

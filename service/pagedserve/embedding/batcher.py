@@ -29,7 +29,8 @@ import structlog
 import torch
 
 from ..errors import EngineUnavailableError
-from .embedder import Embedder, EmbedResult
+from .encoder import Embedder
+from .interface import EmbeddingModelInfo, EmbedInputs, EmbedResult, is_token_id_inputs
 
 log = structlog.get_logger(__name__)
 
@@ -146,10 +147,15 @@ class EmbedBatcher:
             torch.set_num_threads(process_threads)
 
     # ---- event-loop side ---------------------------------------------------------------------------------------
-    async def embed(self, texts: list[str], normalize: bool = True, truncate: bool = False,
+    @property
+    def info(self) -> EmbeddingModelInfo:
+        """The encoder's model facts."""
+        return self.embedder.info
+
+    async def embed(self, inputs: EmbedInputs, normalize: bool = True, truncate: bool = False,
                     dimensions: int | None = None) -> EmbedResult:
-        """Embed texts as :meth:`Embedder.embed` does (same vectors, same ``prompt_tokens``), batched with
-        whatever other calls are waiting.
+        """Embed texts (or token id sequences) as :meth:`Embedder.embed` (:meth:`Embedder.embed_token_ids`) does:
+        same vectors, same ``prompt_tokens``, batched with whatever other calls are waiting.
 
         Raises:
             InvalidInputError: as :meth:`Embedder.embed` (empty list, too long without truncate, bad dimensions).
@@ -159,7 +165,11 @@ class EmbedBatcher:
         self.embedder.check_dimensions(dimensions)
         self._check_open()
         loop = asyncio.get_running_loop()
-        token_ids = await loop.run_in_executor(self._tokenize_executor, self.embedder.tokenize, texts, truncate)
+        if is_token_id_inputs(inputs):
+            token_ids = self.embedder.check_token_ids(list(inputs), truncate)
+        else:
+            token_ids = await loop.run_in_executor(self._tokenize_executor, self.embedder.tokenize, inputs,
+                                                   truncate)
         call = _Call(loop, token_ids, self.embedder.dimension, normalize, dimensions)
         self._enqueue(call)
         try:
@@ -181,6 +191,10 @@ class EmbedBatcher:
             call.post(EngineUnavailableError("the embedder is shutting down"))
         if self._own_executor:
             self._tokenize_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def aclose(self) -> None:
+        """:meth:`close` (the worker thread exits after its current micro-batch, not awaited)."""
+        self.close()
 
     def join(self, timeout_s: float | None = None) -> None:
         """Wait for the worker thread to exit (after :meth:`close`)."""

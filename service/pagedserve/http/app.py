@@ -1,0 +1,170 @@
+"""The ASGI app of the OpenAI-compatible API: routes, and one middleware for what every request goes through.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (the server's Prometheus registry), ``POST /tokenize``, ``POST /detokenize``
+(vLLM's shapes).
+
+:class:`GateMiddleware`: ``--api-key`` (``Authorization: Bearer``, constant-time compare) on ``/v1/*``; 503 for
+API calls once shutdown has begun; 413 for a body over ``max_request_body_bytes`` (by Content-Length, or counted
+as a chunked body arrives); the count of requests in flight, which shutdown drains.
+"""
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import ServerConfig
+from ..errors import PagedServeError
+from ..serving.metrics import ServerMetrics
+from ..serving.prompts import ChatPrompt, TextPrompt
+from ..serving.services import Services
+from . import convert as cv
+from . import errors
+from .openai_serving import OpenAIServing
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                       TokenizeRequest)
+
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GateMiddleware:
+    """Pure ASGI middleware (streams pass through untouched); see the module docstring."""
+
+    def __init__(self, app, services: Services, api_key: str | None, max_body_bytes: int):
+        self.app, self.services, self.max_body_bytes = app, services, max_body_bytes
+        self.api_key = api_key.encode() if api_key else None
+        self.num_in_flight = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        is_api = path.startswith(API_PREFIXES)
+        if self.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
+            return await self._reply(send, 401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                     "authentication_error", {"www-authenticate": "Bearer"})
+        if is_api and self.services.shutting_down:
+            return await self._reply(send, 503, "the server is shutting down", "service_unavailable")
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await self._reply(send, 413, f"request body of {length} bytes is over the limit of "
+                                     f"{self.max_body_bytes} bytes", "invalid_request_error")
+        self.num_in_flight += is_api
+        try:
+            await self.app(scope, self._counting(receive), send)
+        except _BodyTooLarge:
+            await self._reply(send, 413, f"request body is over the limit of {self.max_body_bytes} bytes",
+                              "invalid_request_error")
+        finally:
+            self.num_in_flight -= is_api
+
+    def _authorized(self, scope) -> bool:
+        given = _header(scope, b"authorization") or ""
+        scheme, _, token = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+
+    def _counting(self, receive):
+        seen = 0
+
+        async def wrapped():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise _BodyTooLarge()
+            return message
+        return wrapped
+
+    @staticmethod
+    async def _reply(send, status: int, message: str, type_: str, headers: dict | None = None) -> None:
+        response = errors.error_response(status, message, type_, headers=headers)
+        await response({"type": "http"}, None, send)
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def served_names(config: ServerConfig, engine_model: str | None) -> tuple[str, str]:
+    """(generation name, embedding name) the API lists and accepts in ``model``: ``--served-model-name``, else the
+    model as given on the command line (vLLM's rule), else the embedded models' names."""
+    generation = config.served_model_name or engine_model or "SmolLM2-135M-Instruct"
+    if config.embedding_model == "llm":
+        embedding = generation
+    else:
+        embedding = config.embedding_model or "all-MiniLM-L6-v2"
+    return generation, embedding
+
+
+def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, engine_model: str | None
+              ) -> tuple[FastAPI, GateMiddleware]:
+    """The FastAPI app and its gate (whose ``num_in_flight`` shutdown drains)."""
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    serving = OpenAIServing(services, *served_names(config, engine_model))
+    app.add_exception_handler(errors.OpenAIError, errors.on_openai_error)
+    app.add_exception_handler(RequestValidationError, errors.on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, errors.on_http_error)
+    app.add_exception_handler(PagedServeError, errors.on_engine_error)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.completions(body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        return await serving.embeddings(body)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
+                                            "root": name, "parent": None} for name in serving.model_names()]}
+
+    @app.get("/health")
+    async def health():
+        ready = not services.loading and not services.shutting_down
+        return Response(status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        generation = services.require_generation()
+        if (body.prompt is None) == (body.messages is None):
+            raise errors.OpenAIError(400, "exactly one of prompt or messages is required", param="prompt")
+        if body.messages is not None:
+            chat = cv.chat_prompt(ChatCompletionRequest(messages=body.messages))
+            prompt = ChatPrompt(chat.messages, body.add_generation_prompt)
+        else:
+            prompt = TextPrompt(body.prompt, body.add_special_tokens)
+        ids, strs = await generation.tokenize(prompt)
+        out = {"count": len(ids), "max_model_len": generation.info.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = strs
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return {"prompt": services.require_generation().detokenize(body.tokens, field="tokens")}
+
+    gate = GateMiddleware(app, services, config.api_key, config.max_request_body_bytes)
+    return app, gate
+

@@ -1,0 +1,172 @@
+"""OpenAI request bodies -> plain serving types, and engine outputs -> OpenAI response pieces. Pure functions;
+errors name the body field (``param``) as the client wrote it."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from ..engine.llm_engine import Usage
+from ..engine.sampler import TokenLogprobs
+from ..engine.sampling_params import SamplingParams
+from ..errors import InvalidInputError
+from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from .errors import OpenAIError
+from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+
+FINGERPRINT = "pagedserve-0.1.0"
+_VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+                "skip_special_tokens", "truncate_prompt_tokens")
+_OPENAI_SAMPLING = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def check_unsupported(body) -> None:
+    """Raises a 400 naming the first field this server does not support (tools, audio, ...)."""
+    extra = body.model_extra or {}
+    for name in UNSUPPORTED_FIELDS:
+        if extra.get(name) not in (None, [], {}):
+            raise OpenAIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
+
+
+def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams from the body's OpenAI and vLLM fields; unset fields keep the engine defaults.
+
+    Raises:
+        InvalidInputError: a value out of range (field ``sampling.<name>``, shown to the client without the
+            prefix), or a ``logit_bias`` key that is not a token id.
+    """
+    kwargs: dict = {name: getattr(body, name) for name in _OPENAI_SAMPLING + _VLLM_EXTRAS
+                    if getattr(body, name) is not None}
+    if body.stop is not None:
+        kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    if body.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
+    if body.logit_bias:
+        try:
+            kwargs["logit_bias"] = tuple((int(k), float(v)) for k, v in body.logit_bias.items())
+        except ValueError:
+            raise InvalidInputError("keys must be token ids (integers as strings)", "sampling.logit_bias") from None
+    kwargs.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+    """The chat messages as a prompt; a content list keeps its text parts (joined), other parts are a 400."""
+    messages = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise OpenAIError(400, f"content part type {part.get('type')!r} is not supported (text only)",
+                                      param=f"messages[{i}].content[{j}]", code="unsupported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        messages.append({"role": m.role, "content": content or ""})
+    return ChatPrompt(tuple(messages), body.add_generation_prompt)
+
+
+def completion_prompts(prompt) -> list[Prompt]:
+    """``prompt`` (a string, strings, token ids or lists of token ids) as one prompt per completion batch entry."""
+    if isinstance(prompt, str):
+        return [TextPrompt(prompt)]
+    if not prompt:
+        raise InvalidInputError("must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [TokenPrompt(tuple(prompt), field="prompt")]
+    if all(isinstance(p, str) for p in prompt):
+        return [TextPrompt(p, field=f"prompt[{i}]") for i, p in enumerate(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        return [TokenPrompt(tuple(p), field=f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise InvalidInputError("must be a string, a list of strings, token ids, or lists of token ids", "prompt")
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class UsageSum:
+    """Usage over the engine requests of one HTTP request (several prompts)."""
+
+    def __init__(self) -> None:
+        self.prompt = self.completion = self.cached = 0
+
+    def add(self, usage: Usage) -> None:
+        self.prompt += usage.prompt_tokens
+        self.completion += usage.completion_tokens
+        self.cached += usage.cached_prompt_tokens
+
+    def as_dict(self) -> dict:
+        return usage_dict(self.prompt, self.completion, self.cached)
+
+
+class TokenText:
+    """Token id -> its text as a client sees it (the id decoded alone), cached."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of a token sequence (special tokens kept)."""
+        return self._tokenizer.decode(token_ids)
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+def chat_logprobs(lps: list[TokenLogprobs], text: TokenText) -> list[dict]:
+    """OpenAI chat ``logprobs.content`` entries."""
+    def entry(tid: int, lp: float) -> dict:
+        s = text(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+
+class CompletionLogprobs:
+    """OpenAI completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset), built incrementally."""
+
+    def __init__(self, text: TokenText, offset: int = 0):
+        self._text = text
+        self.offset = offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict | None] = []
+        self.text_offset: list[int] = []
+
+    def add_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+        s = self._text(token_id)
+        self.tokens.append(s)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(None if top is None else {self._text(t): v for t, v in top})
+        self.text_offset.append(self.offset)
+        self.offset += len(s)
+
+    def add(self, lps: list[TokenLogprobs]) -> None:
+        for lp in lps:
+            self.add_token(lp.token_id, lp.logprob, lp.top)
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+    def take(self) -> dict:
+        """What was added since the last take (for a stream chunk)."""
+        out = self.as_dict()
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return out

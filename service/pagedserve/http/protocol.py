@@ -1,0 +1,101 @@
+"""Request bodies of the OpenAI-compatible API (OpenAI's field names and types), with vLLM's extra sampling fields.
+
+Unknown fields are accepted and ignored (OpenAI clients add new ones over time), except those naming capabilities
+this server does not have (:data:`UNSUPPORTED_FIELDS`), which are a 400 naming the field rather than a silent
+acceptance. Ranges are checked by the engine's :class:`~pagedserve.engine.sampling_params.SamplingParams`, so both
+APIs give the same answer for the same value.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Fields of OpenAI's chat/completions bodies that ask for what this server does not do.
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                      "modalities", "prediction", "web_search_options", "suffix", "best_of")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False          # a last chunk with the usage and no choices
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class _SamplingBody(_Body):
+    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None              # accepted, ignored
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None
+    request_id: str | None = None        # vLLM: the engine request id (default: random)
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict | None = None  # only {"type": "text"}: structured output is not served yet
+    add_generation_prompt: bool = True   # vLLM extra
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16          # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM: -1 or k keeps the first tokens (any k truncates here)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

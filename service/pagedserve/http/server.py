@@ -1,0 +1,87 @@
+"""uvicorn inside the server's asyncio loop, on ``--http-port`` of ``--host``.
+
+The socket is bound here (so port 0 works and the bound port is known before serving) and uvicorn's own signal
+handling is bypassed: the process's SIGTERM/SIGINT handlers belong to :func:`pagedserve.cli.serve`, which drains
+both APIs through :meth:`pagedserve.server.app.App.stop`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import structlog
+import uvicorn
+
+from ..config import ServerConfig
+from ..serving.metrics import ServerMetrics
+from ..serving.services import Services
+from .app import build_app
+
+log = structlog.get_logger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers (the process's belong to the CLI)."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    """The HTTP API of one server process.
+
+    Args:
+        config: ``host``, ``http_port``, ``api_key``, ``max_request_body_bytes``, ``served_model_name``.
+        services: the process's services (filled in once loaded).
+        metrics: the Prometheus registry ``/metrics`` serves.
+        engine_model: ``--model`` as given (the default served name), None for the embedded model.
+    """
+
+    def __init__(self, config: ServerConfig, services: Services, metrics: ServerMetrics,
+                 engine_model: str | None = None):
+        self.config = config
+        app, self.gate = build_app(config, services, metrics, engine_model)
+        self._uvicorn = _Uvicorn(uvicorn.Config(
+            self.gate, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30,
+            h11_max_incomplete_event_size=64 * 1024))
+        self._socket: socket.socket | None = None
+        self._main: asyncio.Task | None = None
+        self.app = app
+
+    @property
+    def num_in_flight(self) -> int:
+        """API requests (streams included) not finished yet."""
+        return self.gate.num_in_flight
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port. Raises OSError when it cannot be bound."""
+        host, port = self.config.host, self.config.http_port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._socket = sock
+        self._main = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._main.done():  # failed to start: re-raise why
+                self._main.result()
+                raise OSError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return sock.getsockname()[1]
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop accepting, ask open connections to close, give them ``timeout_s``, then cancel what is left."""
+        if self._main is None:
+            return
+        self._uvicorn.config.timeout_graceful_shutdown = timeout_s
+        self._uvicorn.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._main
+        self._main = None

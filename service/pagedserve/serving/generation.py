@@ -1,0 +1,118 @@
+"""The generation model as the front ends see it: prompt in, stream of completion deltas out.
+
+:class:`GenerationService` owns what no wire format should: request ids, prompt rendering off the event loop,
+request-scoped logging, request metrics (:mod:`.request_metrics`), and turning a consumer that stops reading
+(client disconnect, deadline, cancelled task) into an abort that frees the request's KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import structlog
+
+from ..engine.async_engine import AsyncEngine
+from ..engine.builder import EngineInfo
+from ..engine.llm_engine import CompletionDelta
+from ..engine.sampling_params import SamplingParams
+from ..errors import InvalidInputError
+from .metrics import ServerMetrics
+from .prompts import Prompt, render_prompt
+from .request_metrics import MeteredEngine
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCall:
+    """One generation request, front-end neutral."""
+
+    prompt: Prompt
+    params: SamplingParams
+    request_id: str | None = None      # None: a random one (uuid4 hex)
+    priority: int = 0                  # lower runs first (vLLM's priority scheduling semantics)
+    cache_salt: str | None = None      # isolates this request's prefix-cache entries
+
+
+class GenerationService:
+    """The generation engine behind both front ends.
+
+    Args:
+        engine: a started :class:`AsyncEngine`.
+        info: what the engine was built with.
+        metrics: the server's metrics; request metrics are recorded here.
+    """
+
+    def __init__(self, engine: AsyncEngine, info: EngineInfo, metrics: ServerMetrics):
+        self.engine = engine
+        self.info = info
+        self._metered = MeteredEngine(engine, metrics, info.name)
+
+    @property
+    def tokenizer(self):
+        """The model's transformers tokenizer."""
+        return self.engine.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.vocab_size
+
+    @property
+    def num_live_requests(self) -> int:
+        return self.engine.num_live_requests
+
+    async def render(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, tokenized off the event loop (tokenizers releases the GIL, so a multi-megabyte
+        prompt does not stall other calls). Raises InvalidInputError naming the prompt's field."""
+        return await asyncio.to_thread(render_prompt, prompt, self.tokenizer)
+
+    async def generate(self, call: GenerateCall, prompt_ids: list[int] | None = None
+                       ) -> AsyncIterator[CompletionDelta]:
+        """Run ``call`` and yield its deltas until every completion has finished (``params.n`` of them; the last
+        delta carries the usage). ``prompt_ids`` skips rendering when the caller rendered already. Leaving the
+        iterator early aborts the request.
+
+        Raises (before the first delta unless said):
+            InvalidInputError: bad prompt or sampling values for this model (naming the field).
+            DuplicateRequestError, QueueFullError: from admission.
+            EngineUnavailableError: shutting down or the engine died (also mid-stream).
+        """
+        request_id = call.request_id or uuid.uuid4().hex
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            ids = prompt_ids if prompt_ids is not None else await self.render(call.prompt)
+            params = call.params
+            log.info("generate_start", prompt_tokens=len(ids), max_tokens=params.max_tokens, n=params.n)
+            num_tokens = 0
+            async for delta in self._metered.generate(request_id, ids, params, call.priority, call.cache_salt):
+                num_tokens += len(delta.token_ids)
+                if delta.finish_reason is not None:
+                    log.info("completion_finished", index=delta.index, finish_reason=delta.finish_reason,
+                             completion_tokens=num_tokens)
+                yield delta
+
+    async def tokenize(self, prompt: Prompt) -> tuple[list[int], list[str]]:
+        """``(token ids, token strings)`` of a prompt (Tokenize API)."""
+        ids = await self.render(prompt)
+        return ids, self.tokenizer.convert_ids_to_tokens(ids)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True, field: str = "token_ids") -> str:
+        """Text of ``token_ids``. Raises InvalidInputError (``field``) for an id outside the vocabulary."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", field)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort live requests; returns the ids that were live."""
+        return await self.engine.abort(request_ids)
+
+    def kv_cache_stats(self) -> dict:
+        """The engine's KV cache and scheduler counters (``LLMEngine.stats()``)."""
+        return self.engine.engine.stats()
+
+    async def shutdown(self) -> None:
+        """Abort what is still live (those streams get their final "abort" delta) and stop the engine thread."""
+        await self.engine.shutdown()
+

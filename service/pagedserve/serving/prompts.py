@@ -1,0 +1,66 @@
+"""Prompts as the front ends hand them over, and their rendering into token ids.
+
+A front end maps its wire type (a ``GenerateRequest`` oneof, an OpenAI ``prompt``/``messages``) onto one of the
+three prompt kinds here; :func:`render_prompt` turns it into the token ids the engine runs. Every error names the
+request field the front end gave.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidInputError
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    text: str                          # tokenized as is
+    add_special_tokens: bool = True    # the tokenizer's BOS etc. (HF ``encode`` semantics)
+    field: str = "prompt"              # the request field, for errors
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPrompt:
+    token_ids: tuple[int, ...]         # run as given (checked against the vocabulary by the engine)
+    field: str = "prompt_token_ids"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    messages: tuple[dict, ...]         # {"role": str, "content": str} each
+    add_generation_prompt: bool = True  # end with the assistant turn's opening (HF ``apply_chat_template``)
+    field: str = "messages"
+
+
+Prompt = TextPrompt | TokenPrompt | ChatPrompt
+
+
+def apply_chat_template(tokenizer, messages: list[dict], field: str, add_generation_prompt: bool = True) -> list[int]:
+    """Render chat messages with the model's template and tokenize (HF ``apply_chat_template`` semantics).
+
+    Raises:
+        InvalidInputError: no messages, no chat template, or the template rejected them (field ``field``).
+    """
+    if not messages:
+        raise InvalidInputError("needs at least one message", field)
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidInputError("the model has no chat template; send a prompt or token ids instead", field)
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja errors from bad roles or content
+        raise InvalidInputError(f"the chat template rejected the messages: {exc}", field) from exc
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def render_prompt(prompt: Prompt, tokenizer) -> list[int]:
+    """The prompt's token ids. Tokenizing is CPU work: call it off the event loop for long prompts.
+
+    Raises:
+        InvalidInputError: see :func:`apply_chat_template`; an empty token list (field of the prompt).
+    """
+    if isinstance(prompt, TextPrompt):
+        return list(tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens))
+    if isinstance(prompt, TokenPrompt):
+        return list(prompt.token_ids)
+    if isinstance(prompt, ChatPrompt):
+        return apply_chat_template(tokenizer, list(prompt.messages), prompt.field, prompt.add_generation_prompt)
+    raise TypeError(f"not a prompt: {type(prompt).__name__}")
