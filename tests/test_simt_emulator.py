@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve import kernel_build
+from pagedserve import kernels
+from pagedserve.kernels import cubin
 from simt import PROBE_NAMES, Probes, SimtError, unavailable, probe_source
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -119,8 +120,8 @@ def test_thread_order_between_barriers_is_shuffled():
     assert torch.isnan(out).any(), "some thread ran before thread 0 and read the 0xff fill"
 
 
-@pytest.mark.skipif(not kernel_build.nvrtc_available(), reason="NVRTC or the CUDA headers are not installed")
+@pytest.mark.skipif(not kernels.nvrtc_available(), reason="NVRTC or the CUDA headers are not installed")
 def test_probes_are_valid_cuda():
     """The probes compile with NVRTC for sm_80, so the GPU comparison can run them unchanged."""
-    result = kernel_build.compile_source_to_cubin(probe_source(), "probes.cu", PROBE_NAMES, "sm_80")
+    result = cubin.compile_source_to_cubin(probe_source(), "probes.cu", PROBE_NAMES, "sm_80")
     assert set(result.lowered_names) == set(PROBE_NAMES)
