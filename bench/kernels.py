@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
-from pagedserve import kernel_geometry as geo  # noqa: E402
 from pagedserve import kernels  # noqa: E402
+from pagedserve.kernels import geometry as geo  # noqa: E402
 
 
 def gpu_time_s(fn, iters: int) -> float:

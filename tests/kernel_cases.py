@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from pagedserve import kernel_geometry as geo
 from pagedserve import kernels, ops
+from pagedserve.kernels import geometry as geo
 from pagedserve.attention import torch_ref
 from paged_batch import ATTN_TOL, blocks_needed, make_caches, make_meta, random_qkv
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailabl
 
 @pytest.fixture(scope="module")
 def sim():
-    with Simulator().patch() as s:
+    with Simulator().install() as s:
         yield s
 
 

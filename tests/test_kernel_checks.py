@@ -8,21 +8,49 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve import kernel_build, kernel_launch, kernels
-from pagedserve import kernel_geometry as geo
+from pagedserve import kernels
 from pagedserve.attention import TorchAttentionBackend, select_attention_backend
 from pagedserve.attention.base import AttentionMetadata
 from pagedserve.attention.cuda import CudaAttentionBackend
-from pagedserve.kernel_build import ModuleKey
+from pagedserve.kernels import CudaRuntime, KernelRuntime, ModuleKey, use_runtime
+from pagedserve.kernels import geometry as geo
+
+
+class NoCudaRuntime(CudaRuntime):
+    """The CUDA runtime's device check; anything that would touch CUDA fails the test."""
+
+    def _reached(self, *args, **kwargs):
+        raise AssertionError("a CUDA call was reached before the arguments were rejected")
+
+    launch = num_sms = device_arch = pointer = _reached
+
+
+class RecordingRuntime:
+    """Runs launchers to the launch on CPU tensors (an sm_90 with 132 SMs) and records each launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def check_device(self, **tensors):
+        return torch.device("cpu")
+
+    def num_sms(self, index):
+        return 132
+
+    def device_arch(self, index):
+        return "sm_90"
+
+    def pointer(self, t):
+        return np.uint64(t.data_ptr())
+
+    def launch(self, key, name, device, grid, block, args, smem_bytes=0):
+        self.calls.append((key, name, grid, block, args, smem_bytes))
 
 
 @pytest.fixture
-def no_cuda(monkeypatch):
-    def reached(*args, **kwargs):
-        raise AssertionError("a CUDA call was reached before the arguments were rejected")
-    for name in ("launch", "num_sms", "device_arch", "get_kernel"):
-        monkeypatch.setattr(kernels, name, reached)
-        monkeypatch.setattr(kernel_launch, name, reached)
+def no_cuda():
+    with use_runtime(NoCudaRuntime()):
+        yield
 
 
 def cache(dtype=torch.float16, blocks=4, bs=16, kv_heads=2, hd=64):
@@ -151,7 +179,7 @@ C_TYPES = {"ptr": np.uint64, "long long": np.int64, "int": np.int32, "float": np
 
 def kernel_signature(family: str, name: str) -> list[type]:
     """Parameter types of kernel template ``name`` parsed from its source."""
-    src = kernel_build.load_source(ModuleKey(family, "float32" if "fp32" in name else None).source_file)
+    src = kernels.load_source(ModuleKey(family, "float32" if "fp32" in name else None).source_file)
     base = name.split("<")[0]
     match = re.search(rf"\b{base}\s*\(([^)]*)\)\s*\{{", src)
     assert match, f"{base} not found in {family}"
@@ -164,15 +192,24 @@ def kernel_signature(family: str, name: str) -> list[type]:
 
 
 @pytest.fixture
-def recorded_launches(monkeypatch):
+def recorded_launches():
     """Launchers run to the launch on CPU tensors; each launch is recorded instead of run."""
-    calls = []
-    monkeypatch.setattr(kernels, "check_cuda", lambda **tensors: torch.device("cpu"))
-    monkeypatch.setattr(kernels, "num_sms", lambda index: 132)
-    monkeypatch.setattr(kernel_launch, "device_arch", lambda index: "sm_90")
-    monkeypatch.setattr(kernels, "launch", lambda key, name, device, grid, block, args, smem=0: calls.append(
-        (key, name, grid, block, args, smem)))
-    return calls
+    with use_runtime(RecordingRuntime()) as runtime:
+        yield runtime.calls
+
+
+def test_runtimes_implement_the_interface():
+    assert isinstance(kernels.current_runtime(), CudaRuntime)  # the default
+    assert isinstance(RecordingRuntime(), KernelRuntime) and isinstance(NoCudaRuntime(), KernelRuntime)
+    with pytest.raises(TypeError, match="runtime"):
+        with use_runtime(object()):
+            pass
+    outer, inner = RecordingRuntime(), RecordingRuntime()
+    with use_runtime(outer):
+        with use_runtime(inner):
+            assert kernels.current_runtime() is inner and kernels.num_sms(0) == 132
+        assert kernels.current_runtime() is outer and kernels.device_arch(0) == "sm_90"
+    assert isinstance(kernels.current_runtime(), CudaRuntime)
 
 
 def test_launch_arguments_match_kernel_signatures(recorded_launches):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from pagedserve import kernel_build, kernel_geometry as geo
-from pagedserve.kernel_build import ModuleKey, compile_to_cubin
+from pagedserve import kernels
+from pagedserve.kernels import ModuleKey, compile_to_cubin, cubin, sources
+from pagedserve.kernels import geometry as geo
 
-needs_nvrtc = pytest.mark.skipif(not kernel_build.nvrtc_available(),
+needs_nvrtc = pytest.mark.skipif(not kernels.nvrtc_available(),
                                  reason="NVRTC (nvidia-cuda-nvrtc) or the CUDA headers are not installed")
 
 # (family, dtype, head_dim, block_size, arch): every head dim and dtype for sm_90, a spread for sm_80.
@@ -27,29 +29,29 @@ OTHER_KEYS = [ModuleKey("cache", arch=a) for a in ("sm_80", "sm_90")] + [
 
 
 @functools.cache
-def compile_all() -> dict[ModuleKey, kernel_build.CubinResult]:
+def compile_all() -> dict[ModuleKey, kernels.CubinResult]:
     """Every key compiled once per session, two at a time (NVRTC releases the GIL)."""
     keys = ATTENTION_KEYS + OTHER_KEYS
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(keys, pool.map(compile_to_cubin, keys)))
 
 
-def compiled(key: ModuleKey) -> kernel_build.CubinResult:
+def compiled(key: ModuleKey) -> kernels.CubinResult:
     return compile_all()[key]
 
 
 def test_sources_inline_local_includes():
-    src = kernel_build.load_source("decode_attention.cu")
+    src = kernels.load_source("decode_attention.cu")
     assert not [line for line in src.splitlines() if line.strip().startswith('#include "')]
     assert "namespace pagedserve" in src and "paged_decode_kernel" in src
     assert '#line 1 "common.cuh"' in src
     with pytest.raises(FileNotFoundError):
-        kernel_build.load_source("missing.cu")
+        kernels.load_source("missing.cu")
 
 
 @needs_nvrtc
 def test_options_point_at_cuda_headers():
-    opts = kernel_build.nvrtc_options()
+    opts = kernels.nvrtc_options()
     assert "-std=c++17" in opts and not any("fast_math" in o for o in opts)
     assert any(o.startswith("-I") for o in opts)
 
@@ -75,7 +77,7 @@ def test_parse_ptxas_log():
     log = ("ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90'\n"
            "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
            "ptxas info    : Used 42 registers, used 1 barriers\n")
-    assert kernel_build.parse_ptxas_log(log) == {"_Z3fooPf": kernel_build.KernelResources(42, 16, 8, 4)}
+    assert cubin.parse_ptxas_log(log) == {"_Z3fooPf": cubin.KernelResources(42, 16, 8, 4)}
 
 
 # ---- geometry -------------------------------------------------------------------------------------------------
@@ -138,13 +140,13 @@ def test_row_geometry_and_vectors():
     assert "__nv_bfloat16, 128, 32, 4, 4>" in geo.decode_kernel_name("bfloat16", 128, 32, 4)
 
 
-def test_source_dir_override(tmp_path):
+def test_sources_found_in_the_source_tree_and_from_a_folder(tmp_path):
+    """From the source tree the repository's cuda/ (an installed package's copy: tests/test_packaging.py); an
+    explicit folder (edited copies) wins for that call only."""
+    repo_cuda = Path(__file__).resolve().parents[1] / "cuda"
+    assert kernels.find_source_dir() == repo_cuda
+    assert sources.source_dir_candidates()[0].parent == Path(sources.__file__).resolve().parent
     (tmp_path / "decode_attention.cu").write_text('#include "common.cuh"\n// copy\n')
-    (tmp_path / "common.cuh").write_text("#pragma once\nint marker_from_override;\n")
-    kernel_build.set_source_dir(tmp_path)
-    try:
-        assert "marker_from_override" in kernel_build.load_source("decode_attention.cu")
-        assert kernel_build.default_source_dir() == tmp_path
-    finally:
-        kernel_build.set_source_dir(None)
-    assert "paged_decode_kernel" in kernel_build.load_source("decode_attention.cu")
+    (tmp_path / "common.cuh").write_text("#pragma once\nint marker_from_folder;\n")
+    assert "marker_from_folder" in kernels.load_source("decode_attention.cu", tmp_path)
+    assert "paged_decode_kernel" in kernels.load_source("decode_attention.cu")

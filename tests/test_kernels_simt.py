@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import kernel_cases as kc
-from pagedserve import kernel_geometry as geo
-from pagedserve.kernel_build import ModuleKey
+from pagedserve.kernels import ModuleKey
+from pagedserve.kernels import geometry as geo
 from simt import Simulator, SimtError, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -50,7 +50,7 @@ def module_keys() -> list[ModuleKey]:
 def sim():
     s = Simulator()
     s.precompile(module_keys())  # g++ in parallel, cached on disk by source hash
-    with s.patch():
+    with s.install():
         yield s
 
 
@@ -149,7 +149,7 @@ def planted(old: str, new: str):
     ("exp2f(st.m[g] - m_new)", "1.f"),                     # decode forgets to rescale the running sum
 ], ids=["decode-early-read", "decode-no-rescale"])
 def test_planted_decode_bug_is_caught(old, new):
-    with Simulator(transform=planted(old, new)).patch():
+    with Simulator(transform=planted(old, new)).install():
         with pytest.raises(AssertionError):
             kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3])
 
@@ -159,7 +159,7 @@ def test_planted_decode_bug_is_caught(old, new):
     ("if (need_mask && key > (e < 2 ? pos0 : pos1))", "if (need_mask && key > pos0)"),  # wrong causal row
 ], ids=["prefill-v-layout", "prefill-mask"])
 def test_planted_prefill_bug_is_caught(old, new):
-    with Simulator(transform=planted(old, new)).patch():
+    with Simulator(transform=planted(old, new)).install():
         with pytest.raises(AssertionError):
             kc.check_prefill(CPU, torch.bfloat16, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1))
 
@@ -169,7 +169,7 @@ def test_planted_out_of_bounds_read_is_caught():
     sequence that runs past the table tensor, and the emulator stops the launch."""
     bug = planted("return chunk < end ? __ldg(table + chunk / BLOCK_SIZE) : 0;",
                   "return __ldg(table + chunk / BLOCK_SIZE);")
-    with Simulator(transform=bug).patch():
+    with Simulator(transform=bug).install():
         with pytest.raises(SimtError, match="outside every tensor argument"):
             kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3])
 

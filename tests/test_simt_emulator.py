@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve import kernel_build
-from simt import PROBE_NAMES, Probes, SimtError, unavailable, probe_source
+from pagedserve import kernels
+from pagedserve.kernels import cubin
+from simt import PROBE_NAMES, Probes, SimtError, Simulator, unavailable, probe_source
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
@@ -119,8 +120,23 @@ def test_thread_order_between_barriers_is_shuffled():
     assert torch.isnan(out).any(), "some thread ran before thread 0 and read the 0xff fill"
 
 
-@pytest.mark.skipif(not kernel_build.nvrtc_available(), reason="NVRTC or the CUDA headers are not installed")
+@pytest.mark.skipif(not kernels.nvrtc_available(), reason="NVRTC or the CUDA headers are not installed")
 def test_probes_are_valid_cuda():
     """The probes compile with NVRTC for sm_80, so the GPU comparison can run them unchanged."""
-    result = kernel_build.compile_source_to_cubin(probe_source(), "probes.cu", PROBE_NAMES, "sm_80")
+    result = cubin.compile_source_to_cubin(probe_source(), "probes.cu", PROBE_NAMES, "sm_80")
     assert set(result.lowered_names) == set(PROBE_NAMES)
+
+
+def test_simulator_is_an_installable_kernel_runtime():
+    """The emulator implements pagedserve.kernels.KernelRuntime and is installed through use_runtime, for the
+    block only; it takes CPU tensors and reports the SM count and architecture the launchers plan with."""
+    sim = Simulator(num_sms=7)
+    assert isinstance(sim, kernels.KernelRuntime)
+    default = kernels.current_runtime()
+    with sim.install() as installed:
+        assert installed is sim and kernels.current_runtime() is sim
+        assert kernels.num_sms(None) == 7 and kernels.device_arch(None) == "simt"
+        assert sim.check_device(x=torch.zeros(1)) == torch.device("cpu")
+        with pytest.raises(ValueError, match="^x"):
+            sim.check_device(x=torch.zeros(1, device="meta"))
+    assert kernels.current_runtime() is default

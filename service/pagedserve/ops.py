@@ -74,33 +74,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
-# ---- CUDA versions (cuda/elementwise.cu through pagedserve.kernels): same signatures and results, CUDA tensors
-# only; they raise ValueError on a bad dtype/shape/stride/device. Imported lazily so this module stays CPU-only.
-def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA kernel version of :func:`rms_norm` (fused residual add)."""
-    from . import kernels
-    return kernels.rms_norm(x, weight, eps, residual)
-
-
-def rotary_embedding_cuda(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
-                          is_neox: bool = True) -> torch.Tensor:
-    """CUDA kernel version of :func:`rotary_embedding` (``positions`` int64)."""
-    from . import kernels
-    return kernels.rotary_embedding(positions, x, cos_sin_cache, is_neox)
-
-
-def silu_and_mul_cuda(x: torch.Tensor) -> torch.Tensor:
-    """CUDA kernel version of :func:`silu_and_mul`."""
-    from . import kernels
-    return kernels.silu_and_mul(x)
-
-
 @dataclass(frozen=True, slots=True)
 class ElementwiseOps:
     """One implementation of the model's elementwise layers. The attention backend carries the set that runs with
     it (:attr:`pagedserve.attention.base.AttentionBackend.elementwise`), so the model code never names a device:
-    :data:`TORCH_OPS` (the references above, any device) or :data:`CUDA_OPS` (the kernels of cuda/elementwise.cu)."""
+    :data:`TORCH_OPS` (the references above, any device) or :data:`pagedserve.kernels.CUDA_OPS` (the kernels of
+    cuda/elementwise.cu)."""
 
     name: str
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -109,4 +88,3 @@ class ElementwiseOps:
 
 
 TORCH_OPS = ElementwiseOps("torch", rms_norm, rotary_embedding, silu_and_mul)
-CUDA_OPS = ElementwiseOps("cuda", rms_norm_cuda, rotary_embedding_cuda, silu_and_mul_cuda)

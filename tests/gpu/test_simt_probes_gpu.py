@@ -17,12 +17,12 @@ cupy = pytest.importorskip("cupy")
 if unavailable():
     pytest.skip(unavailable(), allow_module_level=True)
 
-from pagedserve import kernel_build  # noqa: E402
+from pagedserve import kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def gpu_module():
-    return cupy.RawModule(code=probe_source(), options=kernel_build.nvrtc_options(), name_expressions=PROBE_NAMES)
+    return cupy.RawModule(code=probe_source(), options=kernels.nvrtc_options(), name_expressions=PROBE_NAMES)
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,15 @@
 """Host emulator for the CUDA kernels of ``cuda/`` (see simt_host.hpp for what it emulates).
 
 :class:`Simulator` compiles one kernel instantiation at a time with g++ (the same source text NVRTC gets, from
-:func:`pagedserve.kernel_build.load_source`, with ``extern __shared__`` arrays turned into pointers to the emulated
+:func:`pagedserve.kernels.load_source`, with ``extern __shared__`` arrays turned into pointers to the emulated
 dynamic shared memory), caches the shared library on disk by the hash of its source, and runs it on CPU tensors
-with the exact argument tuple and launch geometry :mod:`pagedserve.kernels` computes. :meth:`Simulator.patch`
-swaps the launch, device check and SM count of :mod:`pagedserve.kernels`, so its public launchers (argument
-checks, plans, split-K scratch buffers and all) run unchanged on CPU tensors.
+with the exact argument tuple and launch geometry :mod:`pagedserve.kernels` computes. A :class:`Simulator` is a
+:class:`pagedserve.kernels.KernelRuntime` for CPU tensors: installed (``with sim.install():``, i.e.
+:func:`pagedserve.kernels.use_runtime`), the public launchers (argument checks, plans, split-K scratch buffers and
+all) run unchanged on it.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve import kernel_build
-from pagedserve.kernel_build import ModuleKey
+from pagedserve import kernels
+from pagedserve.kernels import ModuleKey
 
 HERE = Path(__file__).resolve().parent
 _EXTERN_SHARED_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
@@ -53,7 +53,7 @@ def host_include_dirs() -> list[str]:
         candidate = Path(base) / "cuda_runtime" / "include"
         if (candidate / "cuda_fp16.h").is_file():
             return [str(candidate)]
-    return kernel_build.cuda_include_dirs()
+    return kernels.cuda_include_dirs()
 
 
 def unavailable() -> str | None:
@@ -145,7 +145,7 @@ PROBE_NAMES = ("probe_mma<__half>", "probe_mma<__nv_bfloat16>", "probe_ldmatrix<
 
 def probe_source() -> str:
     """cuda/common.cuh followed by probes.cu: valid CUDA for NVRTC and input for the emulator."""
-    return kernel_build.load_source("common.cuh") + (HERE / "probes.cu").read_text()
+    return kernels.load_source("common.cuh") + (HERE / "probes.cu").read_text()
 
 
 class Probes:
@@ -161,7 +161,8 @@ class Probes:
 
 
 class Simulator:
-    """Compiles and runs kernel instantiations on the CPU.
+    """Compiles and runs kernel instantiations on the CPU: a :class:`pagedserve.kernels.KernelRuntime` for CPU
+    tensors (module keys of architecture ``"simt"``).
 
     Args:
         workers: OS threads that run blocks in parallel (default: the CPU count).
@@ -169,13 +170,16 @@ class Simulator:
         transform: applied to each kernel source before compiling (tests use it to plant a bug).
         seed: the order a block's threads run in between barriers: 0 thread order, else pseudo-random per pass
             (the default, so a result that depends on a missing barrier does not pass by luck of the order).
+        source_dir: the CUDA source folder (default: the package's, :func:`pagedserve.kernels.find_source_dir`).
     """
 
-    def __init__(self, workers: int | None = None, num_sms: int = 132, transform=None, seed: int = 1):
+    def __init__(self, workers: int | None = None, num_sms: int = 132, transform=None, seed: int = 1,
+                 source_dir: str | Path | None = None):
         self.workers = workers or os.cpu_count() or 1
         self.seed = seed
-        self.num_sms = num_sms
+        self.sm_count = num_sms
         self.transform = transform
+        self.source_dir = source_dir
         self._libs: dict[ModuleKey, ctypes.CDLL] = {}
         self._ranges: list[tuple[int, int]] = []  # storages of the tensor arguments of the next launch
         self._lock = threading.Lock()
@@ -186,7 +190,7 @@ class Simulator:
         with self._lock:
             lib = self._libs.get(key)
         if lib is None:
-            source = kernel_build.load_source(key.source_file)
+            source = kernels.load_source(key.source_file, self.source_dir)
             if self.transform is not None:
                 source = self.transform(source)
             lib = build(source, key.name_expressions(), str(key))
@@ -194,8 +198,36 @@ class Simulator:
                 self._libs[key] = lib
         return lib
 
+    def precompile(self, keys: list[ModuleKey], jobs: int | None = None) -> None:
+        """Compile several modules in parallel (g++ runs in subprocesses)."""
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            list(pool.map(self.library, keys))
+
+    # ---- KernelRuntime ------------------------------------------------------------------------------------------
+    def check_device(self, **tensors: torch.Tensor) -> torch.device:
+        """CPU tensors only."""
+        for arg, t in tensors.items():
+            if t.device.type != "cpu":
+                raise ValueError(f"{arg}: the emulator runs on CPU tensors, got device {t.device}")
+        return torch.device("cpu")
+
+    def num_sms(self, index: int | None) -> int:
+        return self.sm_count
+
+    def device_arch(self, index: int | None) -> str:
+        return "simt"
+
+    def pointer(self, t: torch.Tensor) -> np.uint64:
+        """The tensor's address, noting its storage as memory the next launch may read (through __ldg and
+        cp.async)."""
+        storage = t.untyped_storage()
+        self._ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        return np.uint64(t.data_ptr())
+
     def launch(self, key: ModuleKey, name: str, device, grid, block, args, smem_bytes: int = 0) -> None:
-        """Same signature as :func:`pagedserve.kernel_launch.launch`, for CPU tensors."""
+        """Run instantiation ``name`` of module ``key`` on the CPU; it may read only the storages of the tensors
+        :meth:`pointer` saw since the last launch."""
         names = key.name_expressions()
         if name not in names:
             raise SimtError(f"{name} is not an instantiation of module {key}")
@@ -207,39 +239,7 @@ class Simulator:
         run(getattr(lib, f"simt_entry_{names.index(name)}"), name, grid, block, args, smem_bytes, self.workers,
             self.seed)
 
-    def precompile(self, keys: list[ModuleKey], jobs: int | None = None) -> None:
-        """Compile several modules in parallel (g++ runs in subprocesses)."""
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-            list(pool.map(self.library, keys))
-
-    @contextlib.contextmanager
-    def patch(self):
-        """Route :mod:`pagedserve.kernels` launches to this emulator, for CPU tensors, inside the block. Each
-        launch may read (through __ldg and cp.async) only the storages of the tensors passed to it."""
-        from pagedserve import kernels
-
-        def check_cpu(**tensors: torch.Tensor) -> torch.device:
-            for arg, t in tensors.items():
-                if t.device.type != "cpu":
-                    raise ValueError(f"{arg}: the emulator runs on CPU tensors, got device {t.device}")
-            return torch.device("cpu")
-
-        def module_key(device, family, dtype=None, head_dim=None, block_size=None) -> ModuleKey:
-            return ModuleKey(family, dtype, head_dim, block_size, "simt")
-
-        def tensor_ptr(t: torch.Tensor) -> np.uint64:
-            """kernels' pointer argument, noting the tensor's storage as memory the launch may read."""
-            storage = t.untyped_storage()
-            self._ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-            return np.uint64(t.data_ptr())
-
-        saved = {n: getattr(kernels, n) for n in ("launch", "check_cuda", "_key", "num_sms", "_ptr")}
-        kernels.launch, kernels.check_cuda, kernels._key = self.launch, check_cpu, module_key
-        kernels._ptr = tensor_ptr
-        kernels.num_sms = lambda index: self.num_sms
-        try:
-            yield self
-        finally:
-            for n, v in saved.items():
-                setattr(kernels, n, v)
+    def install(self):
+        """Context manager: this emulator is the kernels' runtime inside the block
+        (:func:`pagedserve.kernels.use_runtime`); yields it."""
+        return kernels.use_runtime(self)

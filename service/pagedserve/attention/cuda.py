@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernel_geometry as geo
-from .. import kernels, ops
+from .. import kernels
+from ..kernels import geometry as geo
 from .base import AttentionBackend, AttentionMetadata
 
 
@@ -19,7 +19,7 @@ class CudaAttentionBackend(AttentionBackend):
     """Paged attention on CUDA through :mod:`pagedserve.kernels`. Instances hold only a per-step plan cache."""
 
     name = "cuda"
-    elementwise = ops.CUDA_OPS  # fused RMSNorm + residual, rotary, SiLU-and-mul from cuda/elementwise.cu
+    elementwise = kernels.CUDA_OPS  # fused RMSNorm + residual, rotary, SiLU-and-mul from cuda/elementwise.cu
 
     def __init__(self) -> None:
         self._plan_meta: AttentionMetadata | None = None

@@ -1,13 +1,13 @@
-"""Launching the compiled kernels on torch tensors: torch's current CUDA stream as a CuPy stream, the device's
-architecture and SM count, pointer arguments, and the launch itself (with the dynamic shared-memory opt-in)."""
+"""Launching compiled kernels on a CUDA GPU (the :class:`pagedserve.kernels.runtime.CudaRuntime`'s half): torch's
+current CUDA stream as a CuPy stream, the device's architecture and SM count, and the launch itself (with the
+dynamic shared-memory opt-in)."""
 from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
-from .kernel_build import ModuleKey, get_kernel
+from .build import ModuleKey, get_kernel
 
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
@@ -40,18 +40,19 @@ def _cupy_stream(device: torch.device):
 
 
 @functools.cache
-def device_arch(index: int) -> str:
+def cuda_device_arch(index: int) -> str:
     """``sm_XY`` of CUDA device ``index``."""
     major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
 
 
 @functools.cache
-def num_sms(index: int) -> int:
+def cuda_num_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index``."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def launch(key: ModuleKey, name: str, device, grid, block, args, smem_bytes: int = 0) -> None:
+def cuda_launch(key: ModuleKey, name: str, device: torch.device, grid, block, args, smem_bytes: int = 0) -> None:
     """Launch template ``name`` of module ``key`` on torch's current stream of ``device`` (a CUDA
     ``torch.device``). When ``smem_bytes`` exceeds 48 KiB it first raises the kernel's dynamic shared-memory limit
     and asks for the largest shared-memory carveout (these kernels stage global data with cp.async.cg, which
@@ -64,13 +65,3 @@ def launch(key: ModuleKey, name: str, device, grid, block, args, smem_bytes: int
             kernel.preferred_shared_memory_carveout = 100
         with _cupy_stream(device):
             kernel(tuple(grid), tuple(block), tuple(args), shared_mem=smem_bytes)
-
-
-def tensor_ptr(t) -> np.uint64:
-    """A torch tensor's device address as a kernel pointer argument."""
-    return np.uint64(t.data_ptr())
-
-
-def module_key(device, family: str, dtype=None, head_dim=None, block_size=None) -> ModuleKey:
-    """:class:`ModuleKey` for ``device``'s architecture."""
-    return ModuleKey(family, dtype, head_dim, block_size, device_arch(device.index))
