@@ -66,15 +66,16 @@ def random_llama(device, **shape):
 
 
 def greedy(model, cfg, tokenizer, device: str, backend: str, prompts: list[list[int]], max_tokens: int,
-           max_num_batched_tokens: int = 256) -> dict[str, list[int]]:
-    """Greedy outputs of an engine with attention backend ``backend`` (fp32, chunked prefill, 8 running)."""
+           max_num_batched_tokens: int = 256, backend_impl=None) -> dict[str, list[int]]:
+    """Greedy outputs of an engine with attention backend ``backend`` (fp32, chunked prefill, 8 running);
+    ``backend_impl`` is the backend object to use (default: the one ``--attention-backend backend`` selects)."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
     from pagedserve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(device=device, dtype="float32", attention_backend=backend, num_kv_blocks=400,
                           max_model_len=1024, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8)
-    engine, info = build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg)
+    engine, info = build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg, backend=backend_impl)
     assert info.attention_backend == backend
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -89,13 +90,15 @@ def greedy(model, cfg, tokenizer, device: str, backend: str, prompts: list[list[
 
 
 def check_greedy_backends_agree(model, cfg, tokenizer, device: str, lengths, max_tokens: int,
-                                max_num_batched_tokens: int = 256):
+                                max_num_batched_tokens: int = 256, cuda_backend=None):
     """More prompts than max_num_seqs (8), one sharing a 64-token prefix with another (prefix-cache hit); the
-    cuda backend's greedy tokens equal the torch backend's."""
+    cuda backend's greedy tokens equal the torch backend's. ``cuda_backend``: the backend object for the cuda
+    run (the emulated one on CPU); default: what ``--attention-backend cuda`` selects."""
     rng = random.Random(0)
     prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(n)] for n in lengths]
     prompts.append(prompts[4][:64] + prompts[1])
-    cuda_out = greedy(model, cfg, tokenizer, device, "cuda", prompts, max_tokens, max_num_batched_tokens)
+    cuda_out = greedy(model, cfg, tokenizer, device, "cuda", prompts, max_tokens, max_num_batched_tokens,
+                      cuda_backend)
     torch_out = greedy(model, cfg, tokenizer, device, "torch", prompts, max_tokens, max_num_batched_tokens)
     assert all(len(t) == max_tokens for t in torch_out.values())
     assert len({tuple(t) for t in torch_out.values()}) > 1, "outputs should depend on the prompt"

@@ -20,28 +20,17 @@ def sim():
         yield s
 
 
-@pytest.fixture
-def cuda_backend_on_cpu(sim, monkeypatch):
-    """build_engine picks the emulated CudaAttentionBackend for ``--attention-backend cuda`` on the CPU."""
-    from pagedserve.attention import select_attention_backend
-    from pagedserve.engine import builder
-
-    monkeypatch.setattr(builder, "select_backend", lambda name, device: CudaAttentionBackend()
-                        if name == "cuda" else select_attention_backend(name, device))
-    return sim
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_mixed_step_matches_torch_backend(sim, dtype):
     bc.check_mixed_step(torch.device("cpu"), dtype, CudaAttentionBackend())
 
 
-def test_greedy_generation_matches_torch_backend(cuda_backend_on_cpu):
+def test_greedy_generation_matches_torch_backend(sim):
     """2 layers of SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64), a 64-token prefill budget."""
     shape = dict(bc.SMOLLM_SHAPE, num_hidden_layers=2, vocab_size=2048, intermediate_size=384, hidden_size=576)
     model, cfg, tokenizer = bc.random_llama(torch.device("cpu"), **shape)
     bc.check_greedy_backends_agree(model, cfg, tokenizer, "cpu", (3, 17, 64, 129, 90, 77, 40, 9, 33), max_tokens=8,
-                                   max_num_batched_tokens=64)
-    launched = {name.split("<")[0] for name, *_ in cuda_backend_on_cpu.launches}
+                                   max_num_batched_tokens=64, cuda_backend=CudaAttentionBackend())
+    launched = {name.split("<")[0] for name, *_ in sim.launches}
     assert {"reshape_and_cache_kernel", "paged_decode_kernel", "paged_prefill_fp32_kernel", "rms_norm_kernel",
             "rotary_embedding_kernel", "silu_and_mul_kernel"} <= launched

@@ -114,11 +114,13 @@ def profile_peak_memory_bytes(config: EngineConfig, model, backend, device: torc
     return int(torch.cuda.max_memory_allocated(device))
 
 
-def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=None) -> tuple[LLMEngine, EngineInfo]:
+def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=None,
+                 backend=None) -> tuple[LLMEngine, EngineInfo]:
     """Load the model and tokenizer and size the KV cache.
 
     ``model``/``tokenizer``/``hf_config`` may be passed in (tests build random-weight models); otherwise they are
-    loaded from ``config.model``.
+    loaded from ``config.model``. ``backend`` (an attention backend object) overrides the one
+    ``config.attention_backend`` selects (tests run the emulated CUDA backend on CPU).
 
     Raises:
         FileNotFoundError: the model path is missing.
@@ -131,7 +133,7 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
     tokenizer = tokenizer or source.load_tokenizer()
     if model is None:
         model = build_model(source, hf_config, dtype, device)
-    backend = select_backend(config.attention_backend, device)
+    backend = backend or select_backend(config.attention_backend, device)
     block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
     num_blocks = config.num_kv_blocks or max(1, kv_cache_bytes(config, model, backend, device) // block_bytes)
     capacity = num_blocks * config.block_size
