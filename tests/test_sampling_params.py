@@ -78,3 +78,28 @@ def test_validate_for_model():
         with pytest.raises(InvalidInputError) as info:
             SamplingParams(**kwargs).validate_for_model(100, max_logprobs=20 if field != "prompt_logprobs" else 5)
         assert info.value.field == f"sampling.{field}"
+
+
+def test_the_proto_and_the_engine_name_the_same_sampling_fields():
+    """The sampling fields are listed once per side (the proto message, the engine dataclass); the server's
+    conversion and the client's builder walk the descriptor, so the two sets must be equal."""
+    import dataclasses
+
+    from pagedserve_client.v1 import inference_pb2 as pb
+
+    assert {f.name for f in dataclasses.fields(SamplingParams)} == set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+def test_every_proto_sampling_field_reaches_the_engine_params():
+    """Each field set on the wire (to a non-default value) arrives in SamplingParams with that value."""
+    from pagedserve.server.convert import sampling_from_proto
+    from pagedserve_client import sampling_params
+
+    values = dict(max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=11,
+                  presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25, stop=["x", "yy"],
+                  stop_token_ids=[5, 9], include_stop_str_in_output=True, ignore_eos=True, n=2, logprobs=3,
+                  prompt_logprobs=1, skip_special_tokens=False, logit_bias={4: 1.5}, truncate_prompt_tokens=9)
+    params = sampling_from_proto(sampling_params(**values))
+    expected = {**values, "stop": ("x", "yy"), "stop_token_ids": (5, 9), "logit_bias": ((4, 1.5),)}
+    assert {name: getattr(params, name) for name in values} == expected
+    assert set(values) == {f.name for f in sampling_params().DESCRIPTOR.fields}

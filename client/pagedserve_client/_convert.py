@@ -60,53 +60,34 @@ def channel_options(user_options: Sequence[tuple[str, Any]] | None) -> list[tupl
     return list(merged.items())
 
 
-def sampling_params(
-    *,
-    max_tokens: int | None = None,
-    min_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    seed: int | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    repetition_penalty: float | None = None,
-    stop: str | Iterable[str] | None = None,
-    stop_token_ids: Iterable[int] | None = None,
-    include_stop_str_in_output: bool | None = None,
-    ignore_eos: bool | None = None,
-    n: int | None = None,
-    logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
-    skip_special_tokens: bool | None = None,
-    logit_bias: Mapping[int, float] | None = None,
-    truncate_prompt_tokens: int | None = None,
-) -> pb.SamplingParams:
-    """Build a SamplingParams message; meanings and defaults as in API.md (vLLM SamplingParams semantics).
+def sampling_params(**fields: Any) -> pb.SamplingParams:
+    """Build a SamplingParams message from keyword arguments named after its fields (``max_tokens``,
+    ``temperature``, ``stop``, ``logit_bias``, ...: every field of the message, see API.md for meanings and
+    defaults, vLLM SamplingParams semantics).
 
-    None leaves a field unset (the server default applies). `stop` may be one string or several.
-    Raises TypeError for a value protobuf rejects (e.g. a str for an int field), ValueError for a negative
-    value in an unsigned field.
+    None leaves a field unset (the server default applies). `stop` may be one string or several; repeated fields
+    take any iterable; `logit_bias` a mapping of token id to bias.
+
+    Raises:
+        TypeError: an unknown field name, or a value protobuf rejects (e.g. a str for an int field).
+        ValueError: a negative value in an unsigned field.
     """
-    scalars = {
-        "max_tokens": max_tokens, "min_tokens": min_tokens, "temperature": temperature, "top_p": top_p,
-        "top_k": top_k, "min_p": min_p, "seed": seed, "presence_penalty": presence_penalty,
-        "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty,
-        "include_stop_str_in_output": include_stop_str_in_output, "ignore_eos": ignore_eos, "n": n,
-        "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "skip_special_tokens": skip_special_tokens,
-        "truncate_prompt_tokens": truncate_prompt_tokens,
-    }
     params = pb.SamplingParams()
-    for name, value in scalars.items():
-        if value is not None:
+    by_name = params.DESCRIPTOR.fields_by_name
+    unknown = sorted(set(fields) - set(by_name))
+    if unknown:
+        raise TypeError(f"unknown sampling field(s) {unknown}; known: {sorted(by_name)}")
+    for name, value in fields.items():
+        if value is None:
+            continue
+        fd = by_name[name]
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            for key, item in dict(value).items():
+                getattr(params, name)[int(key)] = float(item)
+        elif fd.is_repeated:
+            getattr(params, name).extend([value] if isinstance(value, str) else list(value))
+        else:
             setattr(params, name, value)
-    if stop is not None:
-        params.stop.extend([stop] if isinstance(stop, str) else list(stop))
-    if stop_token_ids is not None:
-        params.stop_token_ids.extend(stop_token_ids)
-    for token_id, bias in (logit_bias or {}).items():
-        params.logit_bias[int(token_id)] = float(bias)
     return params
 
 

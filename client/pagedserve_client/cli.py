@@ -24,29 +24,29 @@ from . import _convert
 from .client import PagedServeClient
 from .v1 import inference_pb2 as pb
 
-# SamplingParams field -> (CLI flag, kind). kind: int | float | bool | "str*" (repeatable) | "int*" | "bias*".
-SAMPLING_FLAGS: dict[str, tuple[str, Any]] = {
-    "max_tokens": ("--max-tokens", int),
-    "min_tokens": ("--min-tokens", int),
-    "temperature": ("--temperature", float),
-    "top_p": ("--top-p", float),
-    "top_k": ("--top-k", int),
-    "min_p": ("--min-p", float),
-    "seed": ("--seed", int),
-    "presence_penalty": ("--presence-penalty", float),
-    "frequency_penalty": ("--frequency-penalty", float),
-    "repetition_penalty": ("--repetition-penalty", float),
-    "stop": ("--stop", "str*"),
-    "stop_token_ids": ("--stop-token-id", "int*"),
-    "include_stop_str_in_output": ("--include-stop-str-in-output", bool),
-    "ignore_eos": ("--ignore-eos", bool),
-    "n": ("--n", int),
-    "logprobs": ("--logprobs", int),
-    "prompt_logprobs": ("--prompt-logprobs", int),
-    "skip_special_tokens": ("--skip-special-tokens", bool),
-    "logit_bias": ("--logit-bias", "bias*"),
-    "truncate_prompt_tokens": ("--truncate-prompt-tokens", int),
-}
+# Repeated fields take one value per flag occurrence, so their flag is singular where the field name is plural.
+_FLAG_NAMES = {"stop_token_ids": "--stop-token-id"}
+
+
+def _sampling_flags() -> dict[str, tuple[str, Any]]:
+    """SamplingParams field -> (CLI flag, kind), derived from the proto descriptor (one flag per field, a new field
+    gets its flag with no change here). kind: int | float | bool | "str*" (repeatable) | "int*" | "bias*"."""
+    from google.protobuf.descriptor import FieldDescriptor as FD
+
+    flags: dict[str, tuple[str, Any]] = {}
+    for fd in pb.SamplingParams.DESCRIPTOR.fields:
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            kind: Any = "bias*"
+        elif fd.is_repeated:
+            kind = "str*" if fd.cpp_type == FD.CPPTYPE_STRING else "int*"
+        else:
+            kind = {FD.CPPTYPE_BOOL: bool, FD.CPPTYPE_FLOAT: float, FD.CPPTYPE_DOUBLE: float,
+                    FD.CPPTYPE_STRING: str}.get(fd.cpp_type, int)
+        flags[fd.name] = (_FLAG_NAMES.get(fd.name, "--" + fd.name.replace("_", "-")), kind)
+    return flags
+
+
+SAMPLING_FLAGS = _sampling_flags()
 
 
 def _logit_bias_item(text: str) -> tuple[int, float]:
