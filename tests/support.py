@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 
 
 def free_port() -> int:
@@ -52,6 +53,23 @@ class ServerThread:
         self.thread.join(10)
 
 
+def wait_until(predicate, timeout_s: float, what=lambda: "") -> None:
+    """Poll ``predicate`` every 20 ms; fail after ``timeout_s`` with ``what()``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s: {what()}"
+        time.sleep(0.02)
+
+
+def assert_no_blocks_held(server, timeout_s: float = 30) -> None:
+    """The server's engine goes idle with every KV block free (no request leaked)."""
+    engine, front = server.engine, server.app.services.generation
+    wait_until(lambda: not engine.has_unfinished() and not front.num_live_requests and not engine.groups,
+               timeout_s, engine.stats)
+    stats = engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"], stats
+
+
 def run_to_completion(engine, on_step=None) -> dict:
     """Step ``engine`` until idle; returns {request_id: {index: (token_ids, finish_reason, text)}}."""
     out: dict = {}
@@ -66,7 +84,8 @@ def run_to_completion(engine, on_step=None) -> dict:
 
 
 @contextlib.contextmanager
-def server_sharing_model(server, embedding_model: str = "", http_port: int = 0, **engine_kwargs):
+def server_sharing_model(server, embedding_model: str = "", http_port: int = 0, server_kwargs: dict | None = None,
+                         **engine_kwargs):
     """A second in-process server whose engine uses the session server's loaded weights (no embedding model
     unless ``embedding_model`` says, e.g. "llm"; no HTTP API unless ``http_port``), built through the same
     :class:`ServiceFactory` as any server, with an engine builder that reuses the weights."""
@@ -75,7 +94,8 @@ def server_sharing_model(server, embedding_model: str = "", http_port: int = 0, 
     from pagedserve.serving.factory import ServiceFactory
 
     model, tokenizer = server.engine.runner.model, server.engine.tokenizer
-    server_config = ServerConfig(host="127.0.0.1", port=0, http_port=http_port, embedding_model=embedding_model)
+    server_config = ServerConfig(host="127.0.0.1", port=0, http_port=http_port, embedding_model=embedding_model,
+                                 **(server_kwargs or {}))
     engine_config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", **engine_kwargs)
     factory = ServiceFactory(server_config, engine_config,
                              build_engine=lambda config: build_engine(config, model=model, tokenizer=tokenizer))

@@ -32,10 +32,6 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class GateMiddleware:
     """Pure ASGI middleware (streams pass through untouched); see the module docstring."""
 
@@ -58,12 +54,14 @@ class GateMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await self._reply(send, 413, f"request body of {length} bytes is over the limit of "
                                      f"{self.max_body_bytes} bytes", "invalid_request_error")
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            receive = await self._buffered(receive)  # a chunked body: read (bounded) before the app sees it
+            if receive is None:
+                return await self._reply(send, 413, f"request body is over the limit of {self.max_body_bytes} "
+                                         "bytes", "invalid_request_error")
         self.num_in_flight += is_api
         try:
-            await self.app(scope, self._counting(receive), send)
-        except _BodyTooLarge:
-            await self._reply(send, 413, f"request body is over the limit of {self.max_body_bytes} bytes",
-                              "invalid_request_error")
+            await self.app(scope, receive, send)
         finally:
             self.num_in_flight -= is_api
 
@@ -72,18 +70,24 @@ class GateMiddleware:
         scheme, _, token = given.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
 
-    def _counting(self, receive):
-        seen = 0
-
-        async def wrapped():
-            nonlocal seen
+    async def _buffered(self, receive):
+        """The whole body read up front, replayed as one message; None when it grows past the limit."""
+        parts, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise _BodyTooLarge()
-            return message
-        return wrapped
+            if message["type"] != "http.request":
+                break
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body_bytes:
+                return None
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+        return replay
 
     @staticmethod
     async def _reply(send, status: int, message: str, type_: str, headers: dict | None = None) -> None:

@@ -30,6 +30,8 @@ class OpenAIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
+        if param and not message.startswith(f"{param}: "):
+            message = f"{param}: {message}"
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -54,8 +56,8 @@ def from_exception(exc: BaseException) -> OpenAIError:
             field = getattr(exc, "field", None)
             param = public_param(field)
             message = str(exc)
-            if field and param != field and message.startswith(f"{field}: "):
-                message = f"{param}: {message[len(field) + 2:]}"
+            if field and message.startswith(f"{field}: "):
+                message = message[len(field) + 2:]
             return OpenAIError(status, message, type_, param)
     log.exception("internal_error", exc_info=exc)
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
