@@ -13,11 +13,13 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve_client.v1 import inference_pb2 as pb
 from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
+from support import free_port
 
 GRACE_S = 6.0
 SERVICE = "pagedserve.v1.InferenceService"
@@ -26,9 +28,10 @@ SERVICE = "pagedserve.v1.InferenceService"
 class ServerProcess:
     """`python -m pagedserve.cli serve` on a free port, JSON logs collected by a reader thread."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, http_port: int = 0):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--http-port", "0", "--embedding-model", "none",
+        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--http-port", str(http_port),
+               "--embedding-model", "none",
                "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--log-json", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
@@ -53,6 +56,18 @@ class ServerProcess:
         raise AssertionError(f"no {event!r} log line in {timeout_s}s:\n" + "".join(self.log[-30:]))
 
 
+def _consume_sse(url: str, body: dict, out: dict, first: threading.Event) -> None:
+    """Read an HTTP completion stream: its data events, in order."""
+    out["events"] = []
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out["events"].append(line[6:])
+                first.set()
+    first.set()
+
+
 def _consume(call, out: dict, first: threading.Event) -> None:
     out["responses"] = []
     try:
@@ -67,7 +82,11 @@ def _consume(call, out: dict, first: threading.Event) -> None:
 
 @pytest.mark.slow
 def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
-    server = ServerProcess("--shutdown-grace-s", str(GRACE_S), "--num-kv-blocks", "300")
+    """gRPC and HTTP alike: open streams that can finish within the grace finish, the others end with "abort";
+    new calls are refused (UNAVAILABLE, HTTP 503) from the signal on."""
+    http_port = free_port()
+    http = f"http://127.0.0.1:{http_port}"
+    server = ServerProcess("--shutdown-grace-s", str(GRACE_S), "--num-kv-blocks", "300", http_port=http_port)
     try:
         port = server.wait_event("server_listening", 60)["port"]
         server.wait_event("ready", 600)
@@ -84,7 +103,16 @@ def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
             threads.append(threading.Thread(target=_consume, args=(call, out, first), daemon=True))
             threads[-1].start()
             results.append((out, first))
-        for _, first in results:
+        http_results = []
+        for max_tokens in (4, 4000):
+            out, first = {}, threading.Event()
+            body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                    "temperature": 0}
+            threads.append(threading.Thread(target=_consume_sse, args=(http + "/v1/completions", body, out, first),
+                                            daemon=True))
+            threads[-1].start()
+            http_results.append((out, first))
+        for _, first in results + http_results:
             assert first.wait(120), "no first response before SIGTERM"
 
         server.proc.send_signal(signal.SIGTERM)
@@ -98,6 +126,9 @@ def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
         with pytest.raises(grpc.RpcError) as refused_unary:
             stub.Tokenize(pb.TokenizeRequest(text="hello"), timeout=10)
         assert refused_unary.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert httpx.get(http + "/health", timeout=10).status_code == 503
+        late = httpx.post(http + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
 
         for thread in threads:
             thread.join(GRACE_S + 30)
@@ -109,6 +140,12 @@ def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
         last = endless_out["responses"][-1]
         assert last.finish_reason == pb.FINISH_REASON_ABORT and last.HasField("usage")
         assert 0 < last.usage.completion_tokens < 4000
+        (http_short, _), (http_endless, _) = http_results
+        assert http_short["status"] == http_endless["status"] == 200
+        for out, reason in ((http_short, "length"), (http_endless, "abort")):
+            assert out["events"][-1] == "[DONE]"
+            chunks = [json.loads(e) for e in out["events"][:-1]]
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == reason
         assert server.proc.wait(timeout=60) == 0
         assert time.monotonic() - sent_at >= GRACE_S - 0.5  # the open stream held the drain for the whole grace
         assert any('"server_stopped"' in line for line in server.log)
