@@ -252,6 +252,44 @@ async def run_streams(target: str, requests: list[BenchRequest], concurrency: in
     return list(records), wall_s
 
 
+async def _one_http_stream(client, model: str, request: BenchRequest, limiter: asyncio.Semaphore) -> StreamRecord:
+    async with limiter:
+        start = time.perf_counter()
+        first = None
+        usage = None
+        stream = await client.completions.create(
+            model=model, prompt=list(request.prompt_token_ids), max_tokens=request.max_new_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+        end = time.perf_counter()
+    num_tokens = usage.completion_tokens if usage is not None else 0
+    if num_tokens != request.max_new_tokens:
+        raise RuntimeError(f"asked {request.max_new_tokens} tokens, got {num_tokens}")
+    return StreamRecord(num_tokens, (first or end) - start, end - start)
+
+
+async def run_http_streams(base_url: str, requests: list[BenchRequest], concurrency: int,
+                           timeout_s: float = 3600.0) -> tuple[list[StreamRecord], float]:
+    """The same as :func:`run_streams` through the OpenAI-compatible HTTP API: the `openai` SDK's async client,
+    one streamed /v1/completions call per request (prompt as token ids), at most `concurrency` in flight."""
+    import httpx
+    import openai
+
+    limiter = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=timeout_s,
+                                  http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s)) as client:
+        model = (await client.models.list()).data[0].id
+        start = time.perf_counter()
+        records = await asyncio.gather(*(_one_http_stream(client, model, r, limiter) for r in requests))
+        wall_s = time.perf_counter() - start
+    return list(records), wall_s
+
+
 # ---------------------------------------------------------------- HF transformers baseline
 
 class TimingStreamer:

@@ -2,10 +2,14 @@
 
     .venv/bin/python bench/throughput.py --workload quick      # issue 2: 16 chat prompts x 64 new tokens
     .venv/bin/python bench/throughput.py --workload mixed      # issue 7: 64 requests, prompts 50..800, outputs 16..256
+    .venv/bin/python bench/throughput.py --api both --skip-hf  # gRPC vs the OpenAI HTTP API, same server and run
 
 Systems, measured one after the other (never at the same time), all greedy with EOS ignored:
   ours        `pagedserve serve` subprocess, every request its own Generate stream, `--concurrency` in flight
-              (default: all); TTFT and TPOT per stream.
+              (default: all); TTFT and TPOT per stream. `--api openai`: the same requests as streamed
+              /v1/completions calls through the `openai` SDK's async client (prompt token ids, usage from
+              stream_options.include_usage); `--api both`: gRPC then HTTP, then both again, on one server
+              (systems ours-grpc and ours-http; each figure is the better of its two rounds).
   hf-batched  HF `generate` on left-padded static batches of `--hf-batch-size` requests in workload order; a batch
               runs to its longest output (min_new_tokens = max_new_tokens), only the tokens each request asked
               for are counted, the rest is reported as wasted.
@@ -27,6 +31,8 @@ import common
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["quick", "mixed"], default="quick")
+    p.add_argument("--api", choices=["grpc", "openai", "both"], default="grpc",
+                   help="how our server is called: gRPC Generate, the OpenAI HTTP API, or both (same server)")
     p.add_argument("--num-requests", type=int, default=None, help="default: 16 (quick) or 64 (mixed)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="quick workload's output length")
     p.add_argument("--seed", type=int, default=0, help="mixed workload's seed")
@@ -56,15 +62,27 @@ def bench_ours(args, requests, tokenizer) -> dict:
         extra += ["--max-num-seqs", str(args.max_num_seqs)]
     concurrency = args.concurrency or len(requests)
     t0 = time.perf_counter()
+    apis = ["grpc", "openai"] if args.api == "both" else [args.api]
+    runs: dict[str, list] = {api: [] for api in apis}
     with common.ServerProcess(args.threads, extra) as server:
         startup_s = time.perf_counter() - t0
-        asyncio.run(common.run_streams(server.target, [common.warmup_request(tokenizer)], 1))
-        records, wall_s = asyncio.run(common.run_streams(server.target, requests, concurrency))
-    tokens = sum(r.num_tokens for r in records)
-    return {"system": "ours", "concurrency": concurrency, "server_argv": server.argv[1:],
-            "server_startup_s": startup_s, "num_requests": len(records), "output_tokens": tokens,
-            "wall_s": wall_s, "tokens_per_s": tokens / wall_s, **common.latency_summary(records),
-            "records": common.record_dicts(records)}
+        clients = {"grpc": lambda reqs, c: common.run_streams(server.target, reqs, c),
+                   "openai": lambda reqs, c: common.run_http_streams(server.http_base_url, reqs, c)}
+        for api in apis:
+            asyncio.run(clients[api]([common.warmup_request(tokenizer)], 1))
+        for _ in range(2 if len(apis) > 1 else 1):  # alternate, so drift on a noisy machine hits both alike
+            for api in apis:
+                runs[api].append(asyncio.run(clients[api](requests, concurrency)))
+    results = []
+    for api in apis:
+        records, wall_s = min(runs[api], key=lambda run: run[1])
+        tokens = sum(r.num_tokens for r in records)
+        name = "ours" if len(apis) == 1 else {"grpc": "ours-grpc", "openai": "ours-http"}[api]
+        results.append({"system": name, "api": api, "concurrency": concurrency, "server_argv": server.argv[1:],
+                        "server_startup_s": startup_s, "num_requests": len(records), "output_tokens": tokens,
+                        "wall_s": wall_s, "tokens_per_s": tokens / wall_s, **common.latency_summary(records),
+                        "records": common.record_dicts(records)})
+    return results
 
 
 def bench_hf_batched(model, requests, pad_id: int, batch_size: int) -> dict:
@@ -131,12 +149,16 @@ def print_report(args, requests, settings: dict, results: list[dict]) -> dict:
               f"{_fmt(r.get('tpot_ms_p99'), '9.1f'):>9}")
     by_name = {r["system"]: r for r in results}
     ratios = {}
-    if "ours" in by_name:
+    for ours in ("ours", "ours-grpc", "ours-http"):
         for other in ("hf-batched", "hf-single"):
-            if other in by_name:
-                ratios[f"ours/{other}"] = by_name["ours"]["tokens_per_s"] / by_name[other]["tokens_per_s"]
+            if ours in by_name and other in by_name:
+                ratios[f"{ours}/{other}"] = by_name[ours]["tokens_per_s"] / by_name[other]["tokens_per_s"]
+    if "ours-grpc" in by_name and "ours-http" in by_name:
+        grpc_r, http_r = by_name["ours-grpc"], by_name["ours-http"]
+        ratios["ours-http/ours-grpc"] = http_r["tokens_per_s"] / grpc_r["tokens_per_s"]
+        ratios["TTFT p50 http/grpc"] = http_r["ttft_ms_p50"] / grpc_r["ttft_ms_p50"]
     for name, value in ratios.items():
-        print(f"ratio tokens/s {name}: {value:.2f}x")
+        print(f"ratio {name if name.startswith('TTFT') else 'tokens/s ' + name}: {value:.2f}x")
     if "hf-batched" in by_name and by_name["hf-batched"]["wasted_tokens"]:
         print(f"hf-batched also generated {by_name['hf-batched']['wasted_tokens']} padding-run tokens "
               "(rows past their own length), not counted")
@@ -153,7 +175,7 @@ def main(argv=None) -> int:
     requests = build_workload(args, tokenizer)
     results = []
     if not args.skip_ours:
-        results.append(bench_ours(args, requests, tokenizer))  # server stopped before HF starts
+        results.extend(bench_ours(args, requests, tokenizer))  # server stopped before HF starts
     if not args.skip_hf:
         results.extend(bench_hf(args, requests, tokenizer))
     ratios = print_report(args, requests, settings, results)
