@@ -312,8 +312,8 @@ def valid_sampling(limits: Limits):
         "skip_special_tokens": st.booleans(),
         "n": st.integers(1, 2),
         "logprobs": st.integers(0, K), "prompt_logprobs": st.integers(0, K),
-        "logit_bias": st.dictionaries(st.integers(0, V - 1), st.floats(width=32, allow_nan=False,
-                                                                      allow_infinity=False), max_size=4),
+        "logit_bias": st.dictionaries(st.integers(0, V - 1), st.floats(-sp.MAX_ABS_LOGIT_BIAS,
+                                                                      sp.MAX_ABS_LOGIT_BIAS, width=32), max_size=4),
         "truncate_prompt_tokens": st.integers(1, U32),
     })
 

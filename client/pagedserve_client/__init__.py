@@ -16,6 +16,7 @@ from ._convert import (
     generate_request,
     sampling_params,
     service_config_json,
+    tls_credentials,
 )
 from ._stream import AsyncResponseStream, ResponseStream
 from .aio import AsyncPagedServeClient
@@ -35,4 +36,5 @@ __all__ = [
     "pb",
     "sampling_params",
     "service_config_json",
+    "tls_credentials",
 ]

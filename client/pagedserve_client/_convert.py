@@ -6,6 +6,7 @@ that API.md gives; an explicit 0 / False / 0.0 is sent as such.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
@@ -28,6 +29,33 @@ class GenerationResult(NamedTuple):
     text: str  # the whole completion text (deltas joined)
     finish_reason: str  # FinishReason name without prefix: "STOP", "LENGTH" or "ABORT"
     usage: pb.Usage  # prompt_tokens, completion_tokens, cached_prompt_tokens of the request
+
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """``authorization: Bearer <key>`` call metadata for ``api_key`` (default: $PAGEDSERVE_API_KEY), None for none."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return (("authorization", f"Bearer {key}"),) if key else None
+
+
+def tls_credentials(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None):
+    """grpc.ChannelCredentials for a TLS server: ``ca_file`` (PEM) to verify it (default: the system roots), and
+    ``cert_file`` + ``key_file`` for a client certificate (mutual TLS). Raises OSError for an unreadable file,
+    ValueError when only one of cert_file / key_file is given."""
+    import grpc
+
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs both cert_file and key_file")
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
 
 
 def service_config_json(max_attempts: int = 4) -> str:

@@ -24,13 +24,15 @@ class AsyncPagedServeClient:
     """Non-blocking client for pagedserve.v1.InferenceService and grpc.health.v1.Health.
 
     Arguments as PagedServeClient: target "host:port", timeout_s default deadline (seconds) per call,
-    channel_options overriding the defaults by key, credentials for TLS. Use `async with` or `await close()`.
+    channel_options overriding the defaults by key, credentials for TLS, api_key (default: PAGEDSERVE_API_KEY).
+    Use `async with` or `await close()`.
     """
 
     def __init__(self, target: str = _convert.DEFAULT_TARGET, *, timeout_s: float | None = None,
                  channel_options: Iterable[tuple[str, Any]] | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None) -> None:
         options = _convert.channel_options(list(channel_options or ()))
+        self._metadata = _convert.auth_metadata(api_key)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         else:
@@ -41,6 +43,10 @@ class AsyncPagedServeClient:
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout_s if timeout is _UNSET else timeout
+
+    def _call_options(self, timeout: float | None) -> dict:
+        """Deadline and metadata (the API key) of one InferenceService call."""
+        return {"timeout": self._timeout(timeout), "metadata": self._metadata}
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                  messages: Iterable[Message] | None = None, request_id: str = "", priority: int = 0,
@@ -55,7 +61,7 @@ class AsyncPagedServeClient:
         request = _convert.generate_request(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                             request_id=request_id, priority=priority, cache_salt=cache_salt,
                                             **sampling)
-        return AsyncResponseStream(self.stub.Generate(request, timeout=self._timeout(timeout)))
+        return AsyncResponseStream(self.stub.Generate(request, **self._call_options(timeout)))
 
     async def generate_text(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                             messages: Iterable[Message] | None = None, timeout: float | None = _UNSET,
@@ -73,12 +79,12 @@ class AsyncPagedServeClient:
                     timeout: float | None = _UNSET) -> pb.EmbedResponse:
         """Embed a batch of texts: EmbedResponse.embeddings[i].values is input i's float32 vector."""
         request = _convert.embed_request(inputs, normalize, truncate, dimensions)
-        return await self.stub.Embed(request, timeout=self._timeout(timeout))
+        return await self.stub.Embed(request, **self._call_options(timeout))
 
     def embed_stream(self, requests: Iterable[pb.EmbedRequest] | AsyncIterator[pb.EmbedRequest], *,
                      timeout: float | None = _UNSET) -> AsyncResponseStream[pb.EmbedResponse]:
         """Send many EmbedRequests on one EmbedStream; responses carry request_id and stream_index."""
-        return AsyncResponseStream(self.stub.EmbedStream(requests, timeout=self._timeout(timeout)))
+        return AsyncResponseStream(self.stub.EmbedStream(requests, **self._call_options(timeout)))
 
     async def tokenize(self, text: str | None = None, *, messages: Iterable[Message] | None = None,
                        add_special_tokens: bool | None = None, add_generation_prompt: bool | None = None,
@@ -86,21 +92,21 @@ class AsyncPagedServeClient:
         """Text or chat messages to token ids (and token pieces) with the generation model's tokenizer."""
         request = _convert.tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
                                             add_generation_prompt=add_generation_prompt)
-        return await self.stub.Tokenize(request, timeout=self._timeout(timeout))
+        return await self.stub.Tokenize(request, **self._call_options(timeout))
 
     async def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool | None = None, *,
                          timeout: float | None = _UNSET) -> str:
         """Token ids to text."""
         request = _convert.detokenize_request(token_ids, skip_special_tokens)
-        return (await self.stub.Detokenize(request, timeout=self._timeout(timeout))).text
+        return (await self.stub.Detokenize(request, **self._call_options(timeout))).text
 
     async def model_info(self, *, timeout: float | None = _UNSET) -> pb.GetModelInfoResponse:
         """The served models and live KV-cache counters."""
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._call_options(timeout))
 
     async def abort(self, request_ids: str | Iterable[str], *, timeout: float | None = _UNSET) -> list[str]:
         """Abort requests by id; returns the ids that were live and are now aborted."""
-        response = await self.stub.Abort(_convert.abort_request(request_ids), timeout=self._timeout(timeout))
+        response = await self.stub.Abort(_convert.abort_request(request_ids), **self._call_options(timeout))
         return list(response.aborted_request_ids)
 
     async def health(self, service: str = "", *, timeout: float | None = _UNSET) -> str:

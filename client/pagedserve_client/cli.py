@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=os.environ.get("PAGEDSERVE_TARGET", _convert.DEFAULT_TARGET),
                         help="server host:port (default: $PAGEDSERVE_TARGET or %(default)s)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline of each call, seconds")
+    parser.add_argument("--api-key", default=None,
+                        help=f"sent as `authorization: Bearer` metadata (default: ${_convert.API_KEY_ENV})")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA bundle: connect over TLS, verifying the server")
+    parser.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS; with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", default=None,
+                        help="the name the server certificate must carry, when it differs from the target's host")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion to stdout")
@@ -253,7 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on argv (default sys.argv[1:]); returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        with PagedServeClient(args.target, timeout_s=args.timeout) as client:
+        credentials, options = None, []
+        if args.tls_ca or args.tls_cert or args.tls_key:
+            credentials = _convert.tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        if args.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", args.tls_server_name))
+        with PagedServeClient(args.target, timeout_s=args.timeout, credentials=credentials, channel_options=options,
+                              api_key=args.api_key) as client:
             if args.command == "generate":
                 return _run_generate(client, args)
             if args.command == "bench":
@@ -262,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -25,14 +25,16 @@ class PagedServeClient:
 
     target: "host:port". timeout_s: default deadline in seconds for every call (None: no deadline); each method
     takes timeout= to override it (for generate the deadline covers the whole stream). channel_options: extra
-    grpc channel arguments, overriding the defaults by key. credentials: grpc.ChannelCredentials for TLS, else an
-    insecure channel. Use as a context manager or call close().
+    grpc channel arguments, overriding the defaults by key. credentials: grpc.ChannelCredentials for TLS (see tls_credentials), else an
+    insecure channel. api_key: sent as `authorization: Bearer <key>` metadata on InferenceService calls (default:
+    the PAGEDSERVE_API_KEY environment variable; health checks need none). Use as a context manager or call close().
     """
 
     def __init__(self, target: str = _convert.DEFAULT_TARGET, *, timeout_s: float | None = None,
                  channel_options: Iterable[tuple[str, Any]] | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None) -> None:
         options = _convert.channel_options(list(channel_options or ()))
+        self._metadata = _convert.auth_metadata(api_key)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
@@ -43,6 +45,10 @@ class PagedServeClient:
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout_s if timeout is _UNSET else timeout
+
+    def _call_options(self, timeout: float | None) -> dict:
+        """Deadline and metadata (the API key) of one InferenceService call."""
+        return {"timeout": self._timeout(timeout), "metadata": self._metadata}
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                  messages: Iterable[Message] | None = None, request_id: str = "", priority: int = 0,
@@ -58,7 +64,7 @@ class PagedServeClient:
         request = _convert.generate_request(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                             request_id=request_id, priority=priority, cache_salt=cache_salt,
                                             **sampling)
-        call = self.stub.Generate(request, timeout=self._timeout(timeout))
+        call = self.stub.Generate(request, **self._call_options(timeout))
         return ResponseStream(call)
 
     def generate_text(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
@@ -82,12 +88,12 @@ class PagedServeClient:
         None leaves normalize (server default true), truncate (false) and dimensions (all) unset.
         """
         request = _convert.embed_request(inputs, normalize, truncate, dimensions)
-        return self.stub.Embed(request, timeout=self._timeout(timeout))
+        return self.stub.Embed(request, **self._call_options(timeout))
 
     def embed_stream(self, requests: Iterable[pb.EmbedRequest], *,
                      timeout: float | None = _UNSET) -> ResponseStream[pb.EmbedResponse]:
         """Send many EmbedRequests on one EmbedStream; responses carry request_id and stream_index."""
-        return ResponseStream(self.stub.EmbedStream(iter(requests), timeout=self._timeout(timeout)))
+        return ResponseStream(self.stub.EmbedStream(iter(requests), **self._call_options(timeout)))
 
     def tokenize(self, text: str | None = None, *, messages: Iterable[Message] | None = None,
                  add_special_tokens: bool | None = None, add_generation_prompt: bool | None = None,
@@ -95,21 +101,21 @@ class PagedServeClient:
         """Text or chat messages to token ids (and token pieces) with the generation model's tokenizer."""
         request = _convert.tokenize_request(text, messages=messages, add_special_tokens=add_special_tokens,
                                             add_generation_prompt=add_generation_prompt)
-        return self.stub.Tokenize(request, timeout=self._timeout(timeout))
+        return self.stub.Tokenize(request, **self._call_options(timeout))
 
     def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool | None = None, *,
                    timeout: float | None = _UNSET) -> str:
         """Token ids to text."""
         request = _convert.detokenize_request(token_ids, skip_special_tokens)
-        return self.stub.Detokenize(request, timeout=self._timeout(timeout)).text
+        return self.stub.Detokenize(request, **self._call_options(timeout)).text
 
     def model_info(self, *, timeout: float | None = _UNSET) -> pb.GetModelInfoResponse:
         """The served models and live KV-cache counters."""
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout(timeout))
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), **self._call_options(timeout))
 
     def abort(self, request_ids: str | Iterable[str], *, timeout: float | None = _UNSET) -> list[str]:
         """Abort requests by id; returns the ids that were live and are now aborted (unknown ids are no error)."""
-        response = self.stub.Abort(_convert.abort_request(request_ids), timeout=self._timeout(timeout))
+        response = self.stub.Abort(_convert.abort_request(request_ids), **self._call_options(timeout))
         return list(response.aborted_request_ids)
 
     def health(self, service: str = "", *, timeout: float | None = _UNSET) -> str:

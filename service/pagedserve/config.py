@@ -93,7 +93,14 @@ class ServerConfig:
         http_port: OpenAI-compatible HTTP API port (same host); 0 turns the HTTP API off.
         served_model_name: the model name the HTTP API lists at /v1/models and accepts in ``model``; None derives
             it from the generation model (its directory or file name, or the embedded model's name).
-        api_key: when set, every HTTP ``/v1/*`` request needs ``Authorization: Bearer <key>`` (401 otherwise).
+        api_key: when set (or api_key_file is), every InferenceService call needs ``authorization: Bearer <key>``
+            metadata (UNAUTHENTICATED otherwise) and every HTTP ``/v1/*`` request the same header (401); health,
+            reflection and HTTP /health stay open.
+        api_key_file: a file of accepted keys, one per line (``#`` comments), re-read when it changes, so keys
+            rotate without a restart; used together with api_key when both are set.
+        ssl_certfile: PEM certificate (chain) of the server: TLS on the gRPC and HTTP ports (with ssl_keyfile).
+        ssl_keyfile: PEM private key of ssl_certfile.
+        ssl_ca_certs: PEM CA bundle: clients must present a certificate signed by it (mutual TLS), on both ports.
         max_request_body_bytes: largest HTTP request body accepted (413 above it).
         generation_model: serve the generation model; --no-generation-model serves Embed only.
         embedding_model: HF/sentence-transformers directory (a BERT-family encoder, or a decoder embedding model
@@ -129,6 +136,10 @@ class ServerConfig:
     http_port: int = 8000
     served_model_name: str | None = None
     api_key: str | None = None
+    api_key_file: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
     max_request_body_bytes: int = 16 * 1024 * 1024
     generation_model: bool = True
     embedding_model: str | None = None
@@ -155,6 +166,10 @@ class ServerConfig:
             value = getattr(self, name)
             _check(value is None or 0 <= value <= 65535, name, "must be in [0, 65535]")
         _check(self.api_key is None or len(self.api_key) > 0, "api_key", "must not be empty")
+        _check((self.ssl_certfile is None) == (self.ssl_keyfile is None), "ssl_keyfile",
+               "ssl_certfile and ssl_keyfile go together")
+        _check(self.ssl_ca_certs is None or self.ssl_certfile is not None, "ssl_ca_certs",
+               "client certificates need TLS: give ssl_certfile and ssl_keyfile too")
         _check(self.served_model_name is None or len(self.served_model_name) > 0, "served_model_name",
                "must not be empty")
         _check(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
@@ -174,6 +189,11 @@ class ServerConfig:
         _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
         _check(self.generation_model or self.embedding_model != "", "generation_model",
                "serving neither a generation nor an embedding model")
+
+    @property
+    def tls(self) -> bool:
+        """Both ports speak TLS."""
+        return self.ssl_certfile is not None
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """The grpc.aio server channel arguments these settings map to (gRPC core's own option names)."""

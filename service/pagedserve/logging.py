@@ -11,11 +11,24 @@ import sys
 import structlog
 
 
+MAX_FIELD_CHARS = 300   # a logged string value longer than this keeps its first characters only
+
+
+def bound_strings(_logger, _method, event: dict) -> dict:
+    """structlog processor: no field value carries more than :data:`MAX_FIELD_CHARS` characters of any string a
+    client sent (request ids, error messages quoting input), so a log line stays bounded."""
+    for key, value in event.items():
+        if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+            event[key] = f"{value[:MAX_FIELD_CHARS]}...[{len(value) - MAX_FIELD_CHARS} more chars]"
+    return event
+
+
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
-    """Configure structlog and route stdlib logging (grpc, transformers) through the same renderer."""
+    """Configure structlog and route stdlib logging (grpc, transformers) through the same renderer. String values
+    are bounded (:func:`bound_strings`); prompts and outputs are never logged, only their sizes."""
     json = (not sys.stdout.isatty()) if json is None else json
     shared = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-              structlog.processors.TimeStamper(fmt="iso", utc=True)]
+              structlog.processors.TimeStamper(fmt="iso", utc=True), bound_strings]
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[*shared, structlog.processors.StackInfoRenderer(), structlog.processors.format_exc_info, renderer],

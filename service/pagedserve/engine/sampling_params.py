@@ -33,6 +33,8 @@ MAX_STOP_STRING_CHARS = 256
 still possible, and matching costs grow with it."""
 MAX_STOP_TOKEN_IDS = 1024
 """Most ``stop_token_ids`` per request (also masked for ``min_tokens`` steps)."""
+MAX_ABS_LOGIT_BIAS = 100.0
+"""``logit_bias`` values lie in [-100, 100] (OpenAI's bound: -100 bans a token, 100 forces it)."""
 MAX_LOGIT_BIAS_ENTRIES = 1024
 """Most ``logit_bias`` entries per request (each is one scattered add per step)."""
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -191,4 +193,7 @@ def _normalize_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
         if token_id in out:
             _fail("logit_bias", f"token id {token_id} given twice")
         out[token_id] = _check_float("logit_bias", bias)
+        if abs(out[token_id]) > MAX_ABS_LOGIT_BIAS:
+            _fail("logit_bias", f"bias for token {token_id} must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                  f"{MAX_ABS_LOGIT_BIAS:g}], got {bias}")
     return tuple(sorted(out.items()))

@@ -4,13 +4,12 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 ``GET /health``, ``GET /metrics`` (the server's Prometheus registry), ``POST /tokenize``, ``POST /detokenize``
 (vLLM's shapes).
 
-:class:`GateMiddleware`: ``--api-key`` (``Authorization: Bearer``, constant-time compare) on ``/v1/*``; 503 for
+:class:`GateMiddleware`: API keys (``Authorization: Bearer``, :class:`~pagedserve.serving.auth.ApiKeys`) on
+``/v1/*``; 503 for
 API calls once shutdown has begun; 413 for a body over ``max_request_body_bytes`` (by Content-Length, or counted
 as a chunked body arrives); the count of requests in flight, which shutdown drains.
 """
 from __future__ import annotations
-
-import hmac
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerConfig
 from ..errors import PagedServeError
+from ..serving.auth import ApiKeys
 from ..serving.metrics import ServerMetrics
 from ..serving.prompts import ChatPrompt, TextPrompt
 from ..serving.services import Services
@@ -35,9 +35,9 @@ API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 class GateMiddleware:
     """Pure ASGI middleware (streams pass through untouched); see the module docstring."""
 
-    def __init__(self, app, services: Services, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, services: Services, api_keys: ApiKeys, max_body_bytes: int):
         self.app, self.services, self.max_body_bytes = app, services, max_body_bytes
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = api_keys
         self.num_in_flight = 0
 
     async def __call__(self, scope, receive, send):
@@ -45,7 +45,7 @@ class GateMiddleware:
             return await self.app(scope, receive, send)
         path: str = scope["path"]
         is_api = path.startswith(API_PREFIXES)
-        if self.api_key is not None and path.startswith("/v1/") and not self._authorized(scope):
+        if path.startswith("/v1/") and not self.api_keys.check_authorization(_header(scope, b"authorization")):
             return await self._reply(send, 401, "invalid or missing API key (Authorization: Bearer <key>)",
                                      "authentication_error", {"www-authenticate": "Bearer"})
         if is_api and self.services.shutting_down:
@@ -64,11 +64,6 @@ class GateMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.num_in_flight -= is_api
-
-    def _authorized(self, scope) -> bool:
-        given = _header(scope, b"authorization") or ""
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
 
     async def _buffered(self, receive):
         """The whole body read up front, replayed as one message; None when it grows past the limit."""
@@ -113,8 +108,8 @@ def served_names(config: ServerConfig, engine_model: str | None) -> tuple[str, s
     return generation, embedding
 
 
-def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, engine_model: str | None
-              ) -> tuple[FastAPI, GateMiddleware]:
+def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, engine_model: str | None,
+              api_keys: ApiKeys) -> tuple[FastAPI, GateMiddleware]:
     """The FastAPI app and its gate (whose ``num_in_flight`` shutdown drains)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
     serving = OpenAIServing(services, *served_names(config, engine_model))
@@ -169,6 +164,6 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
     async def detokenize(body: DetokenizeRequest):
         return {"prompt": services.require_generation().detokenize(body.tokens, field="tokens")}
 
-    gate = GateMiddleware(app, services, config.api_key, config.max_request_body_bytes)
+    gate = GateMiddleware(app, services, api_keys, config.max_request_body_bytes)
     return app, gate
 

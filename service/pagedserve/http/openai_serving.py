@@ -135,7 +135,7 @@ class _Stream:
         """Render the prompts and start every request; waits for the first delta so that admission errors
         (raised before any delta) surface here, as an exception, not inside a started stream. Returns the
         prompts' token ids."""
-        prompt_ids = [await self.generation.render(c.prompt) for c in self.calls]
+        prompt_ids = [await self.generation.prepare(c) for c in self.calls]
         for i, (call, ids) in enumerate(zip(self.calls, prompt_ids)):
             self._tasks.append(asyncio.ensure_future(self._pump(i, call, ids)))
         try:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 
 import structlog
 import uvicorn
 
 from ..config import ServerConfig
+from ..serving.auth import ApiKeys
 from ..serving.metrics import ServerMetrics
 from ..serving.services import Services
 from .app import build_app
@@ -36,15 +38,19 @@ class HttpServer:
         services: the process's services (filled in once loaded).
         metrics: the Prometheus registry ``/metrics`` serves.
         engine_model: ``--model`` as given (the default served name), None for the embedded model.
+        api_keys: the accepted keys (shared with the gRPC port); default: from ``config``.
     """
 
     def __init__(self, config: ServerConfig, services: Services, metrics: ServerMetrics,
-                 engine_model: str | None = None):
+                 engine_model: str | None = None, api_keys: ApiKeys | None = None):
         self.config = config
-        app, self.gate = build_app(config, services, metrics, engine_model)
+        app, self.gate = build_app(config, services, metrics, engine_model,
+                                   api_keys or ApiKeys(config.api_key, config.api_key_file))
+        tls = dict(ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
+                   ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE) if config.tls else {}
         self._uvicorn = _Uvicorn(uvicorn.Config(
             self.gate, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30,
-            h11_max_incomplete_event_size=64 * 1024))
+            h11_max_incomplete_event_size=64 * 1024, **tls))
         self._socket: socket.socket | None = None
         self._main: asyncio.Task | None = None
         self.app = app

@@ -21,7 +21,8 @@ from ..config import EngineConfig, ServerConfig
 from ..serving.factory import ServiceFactory
 from ..serving.metrics import ServerMetrics
 from ..serving.services import Services
-from .interceptors import CallTrackingInterceptor, ErrorMappingInterceptor
+from ..serving.auth import ApiKeys
+from .interceptors import AuthInterceptor, CallTrackingInterceptor, ErrorMappingInterceptor
 from .reflection import enable_reflection
 from .servicer import InferenceServicer
 
@@ -52,9 +53,12 @@ class App:
         self.services = Services()
         self.metrics = ServerMetrics()
         self.health = health.aio.HealthServicer()
+        self.api_keys = ApiKeys(server_config.api_key, server_config.api_key_file)
         self.calls = CallTrackingInterceptor(self.metrics, self._refusal, SERVICE_NAME)
-        self.server = grpc.aio.server(interceptors=[self.calls, ErrorMappingInterceptor()],
-                                      options=server_config.grpc_options())
+        interceptors = [self.calls, ErrorMappingInterceptor()]
+        if self.api_keys.enabled:
+            interceptors.insert(1, AuthInterceptor(self.api_keys, SERVICE_NAME))
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_config.grpc_options())
         pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.services), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), self.server)
@@ -62,7 +66,7 @@ class App:
         if server_config.http_port != 0:
             from ..http.server import HttpServer
 
-            self.http = HttpServer(server_config, self.services, self.metrics, engine_config.model)
+            self.http = HttpServer(server_config, self.services, self.metrics, engine_config.model, self.api_keys)
         self.port = 0
         self.http_port: int | None = None
         self.metrics_port: int | None = None
@@ -77,7 +81,11 @@ class App:
         """Bind and start serving (the HTTP API and the metrics endpoint when configured); returns the bound gRPC
         port. InferenceService stays NOT_SERVING until loaded. Raises OSError when a port cannot be bound."""
         cfg = self.server_config
-        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls:
+            self.port = self.server.add_secure_port(address, server_credentials(cfg))
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind {cfg.host}:{cfg.port}")
         if cfg.metrics_port is not None:
@@ -148,6 +156,18 @@ class App:
 
     def _num_in_flight(self) -> int:
         return self.calls.num_in_flight + (self.http.num_in_flight if self.http is not None else 0)
+
+
+def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials:
+    """TLS credentials from ``ssl_certfile`` / ``ssl_keyfile``; client certificates required when ``ssl_ca_certs``
+    is given. Raises OSError when a file cannot be read."""
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    ca = read(cfg.ssl_ca_certs) if cfg.ssl_ca_certs else None
+    return grpc.ssl_server_credentials([(read(cfg.ssl_keyfile), read(cfg.ssl_certfile))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
 
 
 async def create_server(server_config: ServerConfig, engine_config: EngineConfig,

@@ -34,13 +34,14 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+def _status_of(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a handler's exception becomes (logged here)."""
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
-        log.exception("internal_error", method=method)
-        await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+        log.error("internal_error", method=method, exc_info=exc)
+        return code, f"internal error: {type(exc).__name__}: {exc}"
     log.info("request_rejected", method=method, code=code.name, error=str(exc))
-    await context.abort(code, str(exc))
+    return code, str(exc)
 
 
 class MalformedRequest:
@@ -107,6 +108,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return _rewrap(handler, lambda fn: self._wrap_unary(fn, method), lambda fn: self._wrap_stream(fn, method),
                        _tolerant(handler.request_deserializer))
 
+    # The status is raised outside the `except` block, with the request dropped first: an abort raised inside it
+    # would chain the handler's exception, whose traceback holds the frames that hold the request, in a reference
+    # cycle that keeps a refused multi-megabyte request alive until the cyclic GC happens to run.
     @staticmethod
     def _wrap_unary(fn, method):
         async def wrapper(request, context):
@@ -115,7 +119,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await _abort_with(context, exc, method)
+                code, message = _status_of(exc, method)
+            request = None
+            await context.abort(code, message)
         return wrapper
 
     @staticmethod
@@ -124,10 +130,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async for item in fn(_check_request(request), context):
                     yield item
+                return
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                await _abort_with(context, exc, method)
+                code, message = _status_of(exc, method)
+            request = None
+            await context.abort(code, message)
         return wrapper
 
 
@@ -224,6 +233,7 @@ class _Call:
                 raise
             finally:
                 self._exit(context, start, exc)
+                exc = request = None  # the frame must not hold its own exception (a cycle that pins the request)
         return wrapper
 
     def wrap_stream(self, fn):
@@ -239,4 +249,38 @@ class _Call:
                 raise
             finally:
                 self._exit(context, start, exc)
+                exc = request = None  # the frame must not hold its own exception (a cycle that pins the request)
         return wrapper
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """``authorization: Bearer <key>`` metadata on every call of ``guarded_service`` (the InferenceService);
+    UNAUTHENTICATED otherwise. Health and reflection stay open (Kubernetes probes, grpcurl's listing).
+
+    Args:
+        keys: a :class:`~pagedserve.serving.auth.ApiKeys` (constant-time comparison).
+        guarded_service: the full service name whose methods need a key.
+    """
+
+    def __init__(self, keys, guarded_service: str):
+        self.keys = keys
+        self.prefix = f"/{guarded_service}/"
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(self.prefix):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if self.keys.check_authorization(metadata.get("authorization")):
+            return handler
+        log.info("request_rejected", method=handler_call_details.method, code="UNAUTHENTICATED")
+
+        async def refuse_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: "
+                                "Bearer <key> metadata)")
+
+        async def refuse_stream(request, context):
+            await refuse_unary(request, context)
+            yield  # pragma: no cover - abort raised above
+
+        return _rewrap(handler, lambda fn: refuse_unary, lambda fn: refuse_stream)

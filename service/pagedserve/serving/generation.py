@@ -19,7 +19,8 @@ from ..engine.llm_engine import CompletionDelta
 from ..engine.sampling_params import SamplingParams
 from ..errors import InvalidInputError
 from .metrics import ServerMetrics
-from .prompts import Prompt, render_prompt
+from . import limits
+from .prompts import ChatPrompt, Prompt, TextPrompt, render_prompt
 from .request_metrics import MeteredEngine
 
 log = structlog.get_logger(__name__)
@@ -68,20 +69,45 @@ class GenerationService:
         prompt does not stall other calls). Raises InvalidInputError naming the prompt's field."""
         return await asyncio.to_thread(render_prompt, prompt, self.tokenizer)
 
+    async def prepare(self, call: GenerateCall) -> list[int]:
+        """Check the call's bounded fields and render its prompt. A text prompt that cannot fit ``max_model_len``
+        is refused from its length, before tokenizing (unless ``truncate_prompt_tokens`` keeps only its end).
+
+        Raises:
+            InvalidInputError: ``request_id`` / ``cache_salt`` over 256 characters or not printable, too many chat
+                messages, a prompt that cannot fit (naming the prompt's field), or what rendering raises.
+        """
+        limits.check_identifier(call.request_id, "request_id")
+        limits.check_identifier(call.cache_salt, "cache_salt")
+        prompt = call.prompt
+        if isinstance(prompt, ChatPrompt) and len(prompt.messages) > limits.MAX_CHAT_MESSAGES:
+            raise InvalidInputError(f"at most {limits.MAX_CHAT_MESSAGES} messages, got {len(prompt.messages)}",
+                                    prompt.field)
+        if call.params.truncate_prompt_tokens is None:
+            room = self.info.max_model_len - 1
+            if isinstance(prompt, TextPrompt):
+                limits.check_text_can_fit(len(prompt.text.encode("utf-8")), room, self.tokenizer, prompt.field)
+            elif isinstance(prompt, ChatPrompt):
+                size = sum(len(str(m.get("content") or "").encode("utf-8")) for m in prompt.messages)
+                limits.check_text_can_fit(size, room, self.tokenizer, prompt.field)
+        return await self.render(prompt)
+
     async def generate(self, call: GenerateCall, prompt_ids: list[int] | None = None
                        ) -> AsyncIterator[CompletionDelta]:
         """Run ``call`` and yield its deltas until every completion has finished (``params.n`` of them; the last
-        delta carries the usage). ``prompt_ids`` skips rendering when the caller rendered already. Leaving the
-        iterator early aborts the request.
+        delta carries the usage). ``prompt_ids`` skips :meth:`prepare` when the caller prepared the call already.
+        Leaving the iterator early aborts the request.
 
         Raises (before the first delta unless said):
             InvalidInputError: bad prompt or sampling values for this model (naming the field).
             DuplicateRequestError, QueueFullError: from admission.
             EngineUnavailableError: shutting down or the engine died (also mid-stream).
         """
+        if prompt_ids is None:
+            prompt_ids = await self.prepare(call)
         request_id = call.request_id or uuid.uuid4().hex
         with structlog.contextvars.bound_contextvars(request_id=request_id):
-            ids = prompt_ids if prompt_ids is not None else await self.render(call.prompt)
+            ids = prompt_ids
             params = call.params
             log.info("generate_start", prompt_tokens=len(ids), max_tokens=params.max_tokens, n=params.n)
             num_tokens = 0
