@@ -288,6 +288,8 @@ def _flag_case(field: str) -> tuple[list[str], object]:
         return [flag, "7", flag, "0"], [7, 0]
     if kind == "bias*":
         return [flag, "5=-1.5", flag, "0=0"], {5: -1.5, 0: 0.0}
+    if kind == "json":
+        return [flag, '{"choice": ["a", "b"]}'], pb.StructuredOutput(choice=pb.StructuredOutput.Choice(choices=["a", "b"]))
     return [flag, "0"], 0
 
 

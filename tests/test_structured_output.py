@@ -246,7 +246,7 @@ def test_openai_sdk_response_format_json_schema_and_vllm_extras(server):
         for extra, param in (({"guided_regex": "(bad"}, "guided_regex"),
                              ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
                               "response_format.json_schema.schema"),
-                             ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex")):
+                             ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice")):
             with pytest.raises(openai.BadRequestError) as info:
                 oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "x"}],
                                             max_tokens=4, extra_body=extra)
