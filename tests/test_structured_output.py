@@ -252,3 +252,46 @@ def test_openai_sdk_response_format_json_schema_and_vllm_extras(server):
                                             max_tokens=4, extra_body=extra)
             assert info.value.body["param"] == param, info.value.body
     assert_no_blocks_held(server)
+
+
+# ---- the engine's wait for a compiling grammar (no model run) ---------------------------------------------------
+@pytest.fixture()
+def bare_engine(server):
+    """An LLMEngine with the server's tokenizer and no model runner: admission and the grammar wait only."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(device="cpu"), None, server.engine.tokenizer, 64, 256,
+                       server.engine.eos_token_ids, server.engine.vocab_size)
+    pending: list[Future] = []
+
+    def submit(constraint):
+        pending.append(Future())
+        return pending[-1]
+
+    engine.grammars.submit = submit
+    yield engine, pending
+    engine.grammars.shutdown()
+
+
+def test_requests_wait_unscheduled_until_the_grammar_compiles(server, bare_engine):
+    engine, pending = bare_engine
+    so = {"regex": "[0-9]+"}
+    engine.add_request("ok", [1, 2, 3], SamplingParams(structured_output=so, n=2, max_tokens=4))
+    engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=so, max_tokens=4))
+    engine.add_request("gone", [1, 2, 3], SamplingParams(structured_output=so, max_tokens=4))
+    assert engine.has_unfinished() and engine.scheduler.num_waiting == 0
+    assert engine.step() == []                      # waits (briefly) for a compile; schedules nothing
+    _, aborted = engine.abort(["gone"])
+    assert [d.finish_reason for d in aborted] == ["abort"]
+    compiled = server.engine.grammars.compile(StructuredOutput(regex="[0-9]+"))
+    pending[0].set_result(compiled)
+    pending[1].set_exception(InvalidInputError("no good", "sampling.structured_output.regex"))
+    pending[2].set_result(compiled)
+    deltas = engine._admit_compiled()
+    assert [(d.request_id, d.finish_reason, type(d.error).__name__) for d in deltas] == \
+        [("bad", "abort", "InvalidInputError")]
+    assert engine.scheduler.num_waiting == 1 and "gone" not in engine.groups and "bad" not in engine.groups
+    ok = engine.groups["ok"].children
+    assert all(c.grammar is not None for c in ok) and ok[0].grammar is not ok[1].grammar
+    assert not engine._awaiting_grammar
