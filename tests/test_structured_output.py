@@ -62,7 +62,8 @@ def _run(client, **kwargs):
     ({"json_schema": "{not json"}, "sampling.structured_output.json_schema"),
     ({"json_schema": "[1]"}, "sampling.structured_output.json_schema"),
     ({"choice": []}, "sampling.structured_output.choice"), ({"choice": "ab"}, "sampling.structured_output.choice"),
-    ({"grammar": " "}, "sampling.structured_output.grammar"), ({"json_object": 1}, "sampling.structured_output.json_object"),
+    ({"grammar": " "}, "sampling.structured_output.grammar"),
+    ({"json_object": 1}, "sampling.structured_output.json_object"),
     ({"regex": "a" * 70000}, "sampling.structured_output.regex"), ({"xml": "<a/>"}, "sampling.structured_output"),
 ])
 def test_bad_constraint_values_name_the_field(value, field):
@@ -73,8 +74,9 @@ def test_bad_constraint_values_name_the_field(value, field):
 
 def test_constraint_is_hashable_and_keeps_schema_key_order():
     a = StructuredOutput.from_value({"json_schema": {"type": "object", "properties": {"z": {}, "a": {}}}})
-    assert a == StructuredOutput(json_schema=a.json_schema) and hash(a) == hash(StructuredOutput(**{"json_schema": a.json_schema}))
-    assert a.json_schema.index('"z"') < a.json_schema.index('"a"') and a.field == "sampling.structured_output.json_schema"
+    same = StructuredOutput(json_schema=a.json_schema)
+    assert a == same and hash(a) == hash(same) and a.field == "sampling.structured_output.json_schema"
+    assert a.json_schema.index('"z"') < a.json_schema.index('"a"')
     assert SamplingParams(structured_output={"choice": ["x", "y"]}).structured_output.choice == ("x", "y")
 
 
