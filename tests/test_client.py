@@ -288,6 +288,9 @@ def _flag_case(field: str) -> tuple[list[str], object]:
         return [flag, "7", flag, "0"], [7, 0]
     if kind == "bias*":
         return [flag, "5=-1.5", flag, "0=0"], {5: -1.5, 0: 0.0}
+    if kind == "json":
+        choice = pb.StructuredOutput.Choice(choices=["a", "b"])
+        return [flag, '{"choice": ["a", "b"]}'], pb.StructuredOutput(choice=choice)
     return [flag, "0"], 0
 
 

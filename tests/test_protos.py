@@ -30,6 +30,7 @@ SAMPLING_SCALARS = ["max_tokens", "min_tokens", "temperature", "top_p", "top_k",
                     "ignore_eos", "n", "logprobs", "prompt_logprobs", "skip_special_tokens",
                     "truncate_prompt_tokens"]
 SAMPLING_REPEATED = ["stop", "stop_token_ids", "logit_bias"]
+SAMPLING_MESSAGES = {"structured_output": "pagedserve.v1.StructuredOutput"}
 # message: fields API.md names (beyond the ones checked on their own below).
 FIELDS = {
     "GenerateRequest": ["request_id", "prompt", "prompt_token_ids", "messages", "priority", "cache_salt",
@@ -93,7 +94,9 @@ def test_generate_request_input_is_a_oneof():
 
 def test_sampling_params_fields_and_presence():
     fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
-    assert sorted(fields) == sorted(SAMPLING_SCALARS + SAMPLING_REPEATED)
+    assert sorted(fields) == sorted(SAMPLING_SCALARS + SAMPLING_REPEATED + list(SAMPLING_MESSAGES))
+    for name, full_name in SAMPLING_MESSAGES.items():
+        assert fields[name].message_type.full_name == full_name
     for name in SAMPLING_SCALARS:
         assert fields[name].has_presence, f"SamplingParams.{name} needs presence (`optional`)"
     assert pb.SamplingParams(temperature=0.0).HasField("temperature")
@@ -101,6 +104,13 @@ def test_sampling_params_fields_and_presence():
     for name in SAMPLING_REPEATED:
         assert fields[name].is_repeated, name
     assert fields["logit_bias"].message_type.GetOptions().map_entry
+
+
+def test_structured_output_is_a_oneof_with_api_md_names():
+    kinds = pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"].fields
+    assert [f.name for f in kinds] == ["json_schema", "json_object", "regex", "choice", "grammar"]
+    assert [f.name for f in pb.StructuredOutput.Choice.DESCRIPTOR.fields] == ["choices"]
+    assert pb.StructuredOutput.Choice.DESCRIPTOR.fields_by_name["choices"].is_repeated
 
 
 def test_presence_where_a_zero_is_meaningful():

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput
 from pagedserve.errors import InvalidInputError
 
 
@@ -98,8 +99,10 @@ def test_every_proto_sampling_field_reaches_the_engine_params():
     values = dict(max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=11,
                   presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25, stop=["x", "yy"],
                   stop_token_ids=[5, 9], include_stop_str_in_output=True, ignore_eos=True, n=2, logprobs=3,
-                  prompt_logprobs=1, skip_special_tokens=False, logit_bias={4: 1.5}, truncate_prompt_tokens=9)
+                  prompt_logprobs=1, skip_special_tokens=False, logit_bias={4: 1.5}, truncate_prompt_tokens=9,
+                  structured_output={"choice": ["a", "b"]})
     params = sampling_from_proto(sampling_params(**values))
-    expected = {**values, "stop": ("x", "yy"), "stop_token_ids": (5, 9), "logit_bias": ((4, 1.5),)}
+    expected = {**values, "stop": ("x", "yy"), "stop_token_ids": (5, 9), "logit_bias": ((4, 1.5),),
+                "structured_output": StructuredOutput(choice=("a", "b"))}
     assert {name: getattr(params, name) for name in values} == expected
     assert set(values) == {f.name for f in sampling_params().DESCRIPTOR.fields}

@@ -94,7 +94,10 @@ def sampling_params(**fields: Any) -> pb.SamplingParams:
     defaults, vLLM SamplingParams semantics).
 
     None leaves a field unset (the server default applies). `stop` may be one string or several; repeated fields
-    take any iterable; `logit_bias` a mapping of token id to bias.
+    take any iterable; `logit_bias` a mapping of token id to bias. `structured_output` takes a StructuredOutput
+    message, a mapping with one of its fields (``{"json_schema": {...}}`` (a dict or JSON text),
+    ``{"json_object": True}``, ``{"regex": "..."}``, ``{"choice": ["yes", "no"]}``, ``{"grammar": "..."}``), or
+    that mapping as JSON text.
 
     Raises:
         TypeError: an unknown field name, or a value protobuf rejects (e.g. a str for an int field).
@@ -112,11 +115,45 @@ def sampling_params(**fields: Any) -> pb.SamplingParams:
         if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
             for key, item in dict(value).items():
                 getattr(params, name)[int(key)] = float(item)
+        elif name == "structured_output":
+            params.structured_output.CopyFrom(structured_output(value))
         elif fd.is_repeated:
             getattr(params, name).extend([value] if isinstance(value, str) else list(value))
         else:
             setattr(params, name, value)
     return params
+
+
+def structured_output(value: Any) -> pb.StructuredOutput:
+    """A StructuredOutput message from a message, a mapping with exactly one of its fields, or that mapping as JSON
+    text. ``json_schema`` may be a dict (sent as JSON text); ``choice`` a list of strings.
+
+    Raises:
+        TypeError: not one of those, or an unknown key. ValueError: not exactly one key, or JSON text that does not
+            parse.
+    """
+    if isinstance(value, pb.StructuredOutput):
+        return value
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"structured_output must be a mapping or a StructuredOutput, not {value!r}")
+    kinds = pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"].fields
+    known = [fd.name for fd in kinds]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise TypeError(f"unknown structured_output field(s) {unknown}; known: {known}")
+    if len(value) != 1:
+        raise ValueError(f"structured_output takes exactly one of {known}, got {sorted(value)}")
+    ((kind, item),) = value.items()
+    msg = pb.StructuredOutput()
+    if kind == "choice":
+        msg.choice.choices.extend([item] if isinstance(item, str) else list(item))
+    elif kind == "json_schema" and not isinstance(item, str):
+        msg.json_schema = json.dumps(item)
+    else:
+        setattr(msg, kind, item)
+    return msg
 
 
 def chat_messages(messages: Iterable[Message]) -> pb.ChatMessages:

@@ -30,13 +30,16 @@ _FLAG_NAMES = {"stop_token_ids": "--stop-token-id"}
 
 def _sampling_flags() -> dict[str, tuple[str, Any]]:
     """SamplingParams field -> (CLI flag, kind), derived from the proto descriptor (one flag per field, a new field
-    gets its flag with no change here). kind: int | float | bool | "str*" (repeatable) | "int*" | "bias*"."""
+    gets its flag with no change here). kind: int | float | bool | "str*" (repeatable) | "int*" | "bias*" |
+    "json" (a message field, given as JSON text)."""
     from google.protobuf.descriptor import FieldDescriptor as FD
 
     flags: dict[str, tuple[str, Any]] = {}
     for fd in pb.SamplingParams.DESCRIPTOR.fields:
         if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
             kind: Any = "bias*"
+        elif fd.message_type is not None:
+            kind = "json"          # a message field: JSON text, e.g. --structured-output '{"regex": "[0-9]+"}'
         elif fd.is_repeated:
             kind = "str*" if fd.cpp_type == FD.CPPTYPE_STRING else "int*"
         else:
@@ -56,6 +59,13 @@ def _logit_bias_item(text: str) -> tuple[int, float]:
     return int(token_id), float(bias)
 
 
+def _json_arg(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (unset flags leave the server default)")
     for field, (flag, kind) in SAMPLING_FLAGS.items():
@@ -67,6 +77,10 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
             item_type = {"str*": str, "int*": int, "bias*": _logit_bias_item}[kind]
             group.add_argument(flag, dest=field, action="append", type=item_type, default=None,
                                help=f"{help_text} (repeatable)")
+        elif kind == "json":
+            group.add_argument(flag, dest=field, type=_json_arg, default=None, metavar="JSON",
+                               help=f"{help_text} as JSON, e.g. '{{\"json_schema\": {{...}}}}', "
+                                    f"'{{\"regex\": \"[0-9]+\"}}', '{{\"choice\": [\"yes\", \"no\"]}}'")
         else:
             group.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
 

@@ -20,6 +20,8 @@ from .request import Request, RequestStatus
 from .sampler import TokenLogprobs, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .structured_output.grammar import GrammarCompiler
+from .structured_output.waiting import GrammarWaitList
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +94,8 @@ class LLMEngine:
         self._detok: dict[Request, IncrementalDetokenizer] = {}
         self._prompt_lps: dict[Request, list[TokenLogprobs]] = {}  # prompt logprobs gathered across prefill chunks
         self._forking: list[RequestGroup] = []   # n > 1 groups whose other completions wait for the prompt
+        self.grammars = GrammarCompiler(tokenizer, eos_token_ids)  # structured output: compiles off this thread
+        self._awaiting_grammar = GrammarWaitList()  # groups not yet scheduled: their grammar is compiling
         self.num_steps = 0
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
 
@@ -100,8 +104,13 @@ class LLMEngine:
                     priority: int = 0, cache_salt: str | None = None) -> list[Request]:
         """Validate and queue a request (``params.n`` completions).
 
+        With ``params.structured_output``, the constraint is compiled on the grammar threads; until it is ready the
+        request waits outside the scheduler (a cached constraint is scheduled at once).
+
         Raises:
-            InvalidInputError: empty prompt, unknown token id, prompt or max_tokens past max_model_len.
+            InvalidInputError: empty prompt, unknown token id, prompt or max_tokens past max_model_len; a
+                constraint already known to be bad (a compile failure found later ends the request with an
+                InvalidInputError as its delta's ``error``).
             DuplicateRequestError: ``request_id`` is live.
             QueueFullError: the waiting queue is full.
         """
@@ -119,6 +128,13 @@ class LLMEngine:
                                     "sampling.max_tokens")
         if not self.scheduler.can_admit(params.n):
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
+        compiling, compiled = None, None
+        if params.structured_output is not None:
+            compiling = self.grammars.submit(params.structured_output)
+            if compiling.done():  # a cached constraint (or a fast compile): settled now, no waiting
+                if compiling.exception() is not None:
+                    raise compiling.exception()
+                compiling, compiled = None, compiling.result()
         children = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -129,13 +145,42 @@ class LLMEngine:
             children.append(req)
         group = RequestGroup(request_id, children)
         self.groups[request_id] = group
+        if compiling is not None:
+            self._awaiting_grammar.add(group, compiling, params.structured_output.field)
+        else:
+            self._schedule_group(group, compiled)
+        return children
+
+    def _schedule_group(self, group: RequestGroup, compiled=None) -> None:
+        """Queue a group's first completion (the others follow once it has the prompt); ``compiled``: its
+        CompiledGrammar, from which each completion gets its own matcher."""
+        children = group.children
+        if compiled is not None:
+            for child in children:
+                child.grammar = compiled.new_matcher()
         self.scheduler.add_request(children[0])
         if len(children) > 1:
             # n > 1: the other completions join once the first has computed the prompt, then share its full blocks.
             for child in children[1:]:
                 child.fork_parent = children[0]
             self._forking.append(group)
-        return children
+
+    def _admit_compiled(self) -> list[CompletionDelta]:
+        """Schedule the groups whose grammar has compiled; fail those whose compile failed or timed out (each
+        completion ends with the error as its delta's ``error``). Aborted groups are dropped."""
+        deltas = []
+        for group, compiled, error in self._awaiting_grammar.pop_settled():
+            live = [c for c in group.children if not c.is_finished]
+            if not live:
+                continue
+            if error is None:
+                self._schedule_group(group, compiled)
+                continue
+            for child in live:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                deltas.append(self._finish_delta(child, CompletionDelta(group.request_id, child.index,
+                                                                        error=error)))
+        return deltas
 
     def add_pooling_request(self, request_id: str, token_ids: list[int], priority: int = 0,
                             cache_salt: str | None = None, field: str = "inputs") -> Request:
@@ -201,16 +246,22 @@ class LLMEngine:
         return aborted, deltas
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._forking)
+        return self.scheduler.has_unfinished() or bool(self._forking) or bool(self._awaiting_grammar)
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
-        """Run one scheduling step and return what each completion produced."""
+        """Run one scheduling step and return what each completion produced. With nothing to run but grammars
+        compiling, it waits (briefly: at most 50 ms) for one to finish instead of spinning."""
+        early: list[CompletionDelta] = []
+        if self._awaiting_grammar:
+            if not (self.scheduler.has_unfinished() or self._forking):
+                self._awaiting_grammar.wait(0.05)
+            early = self._admit_compiled()
         if self._forking:  # (also drops aborted n > 1 groups, so has_unfinished() cannot stay true while idle)
             self._release_forks()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return early
         now = time.monotonic()
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
@@ -222,7 +273,7 @@ class LLMEngine:
         deltas = self._process(result)
         if self._forking:
             self._release_forks()
-        return deltas
+        return early + deltas if early else deltas
 
     def _process(self, result: StepResult) -> list[CompletionDelta]:
         deltas = []
@@ -265,11 +316,15 @@ class LLMEngine:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif can_stop and not params.ignore_eos and token in req.eos_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif req.grammar is not None:
+            req.grammar.accept(token)            # the mask allowed it; a completed grammar ends with STOP below
         if status is None or params.include_stop_str_in_output:
             update = self._detok[req].add_tokens([token])
             delta.text = update.text
             if update.stop_str is not None and status is None:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, update.stop_str
+        if status is None and req.grammar is not None and req.grammar.is_terminated():
+            status = RequestStatus.FINISHED_STOPPED
         if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

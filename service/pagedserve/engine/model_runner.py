@@ -125,7 +125,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
         rows = [SamplingRow(params=e.request.params, prompt_token_ids=e.request.prompt_token_ids,
                             output_token_ids=e.request.output_token_ids, generator=e.request.generator,
-                            eos_token_ids=e.request.eos_token_ids) for e in sampled]
+                            eos_token_ids=e.request.eos_token_ids, grammar=e.request.grammar) for e in sampled]
         return StepResult(sampled, self.sampler(logits, rows), prompt_lps, pooled, pooled_hidden)
 
     def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor):

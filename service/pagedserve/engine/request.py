@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from .kv_cache.block_pool import KVBlock
+    from .structured_output.grammar import GrammarMatcher
     from .sampling_params import SamplingParams
 
 
@@ -58,6 +59,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # monotonic seconds; for queue time metrics
     pooling: bool = False                   # an embedding request: the prompt's last hidden state is the output
+    grammar: "GrammarMatcher | None" = None  # structured output: its matcher, in step with the output tokens (kept
+                                            # across preemption, which keeps the tokens); set once compiled
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

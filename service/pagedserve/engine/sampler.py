@@ -2,6 +2,10 @@
 
 Order of processing (vLLM / HF-like), each step applied only to the rows (and only when some row) that need it:
 
+0. structured output: rows with a grammar matcher get ``-inf`` on every token their grammar does not allow next
+   (:mod:`pagedserve.engine.structured_output`), before anything else, so no later step can bring one back and
+   the sampled token is always allowed (a row that the later steps would leave with no finite logit at all, e.g.
+   ``min_tokens`` masking the only allowed stop token, falls back to its masked logits).
 1. logprobs: taken from the RAW model distribution, ``log_softmax(logits)`` before any of the steps below (vLLM's
    default ``raw_logprobs``): the reported logprob, rank and top-k describe what the model predicted, not the
    penalized / biased / tempered / truncated distribution the token was drawn from.
@@ -32,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output.bitmask import apply_bitmask_
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny  # floor for the exponential noise, so probs / q never divides by zero
@@ -56,6 +61,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]         # tokens generated so far for this completion
     generator: torch.Generator | None = None  # the row's own CPU generator when seeded (see make_generator)
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # the model's EOS ids
+    grammar: object | None = None             # structured output: the completion's GrammarMatcher (read, not advanced)
 
 
 @dataclass
@@ -113,7 +119,11 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         raw = logits.float()
-        processed = apply_logits_processors(raw, rows)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        masked = apply_grammars(raw, rows, constrained) if constrained else raw
+        processed = apply_logits_processors(masked, rows)
+        if constrained and processed is not masked:
+            _keep_some_allowed(processed, masked, constrained)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             token_ids = processed.argmax(dim=-1)
@@ -124,11 +134,13 @@ class Sampler:
                 greedy_idx = torch.tensor(greedy, device=raw.device)
                 token_ids[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
             rand_idx = torch.tensor(rand, device=raw.device)
-            token_ids[rand_idx] = self._sample(processed[rand_idx], [rows[i] for i in rand])
+            token_ids[rand_idx] = self._sample(processed[rand_idx], [rows[i] for i in rand],
+                                               strict=bool(constrained))
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_row_logprobs(raw, token_ids, rows))
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, top-k / top-p / min-p, exponential race; ``logits`` ``[n, V]`` (a copy, changed here)."""
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], strict: bool = False) -> torch.Tensor:
+        """Temperature, top-k / top-p / min-p, exponential race; ``logits`` ``[n, V]`` (a copy, changed here).
+        ``strict``: tokens at ``-inf`` can never win, not even when every finite token's noise is infinite."""
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in rows], device=device)
         logits.div_(temperature.unsqueeze(1))
@@ -145,6 +157,8 @@ class Sampler:
         scores = probs.div_(self._exponential_noise(rows, probs.shape[1], device))
         if drop is not None:
             scores.masked_fill_(drop, -1.0)
+        if strict:  # a masked token's score is 0, which an allowed token scores too when its noise is +inf
+            scores.masked_fill_(logits.isneginf(), -2.0)
         return scores.argmax(dim=-1)
 
     def _exponential_noise(self, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -220,6 +234,33 @@ def _nucleus_drop(sorted_probs: torch.Tensor, ids: torch.Tensor, threshold: torc
     keep[:, 0] = True
     drop = torch.ones(sorted_probs.shape[0], vocab_size, dtype=torch.bool, device=sorted_probs.device)
     return drop.scatter_(1, ids, ~keep)
+
+
+def apply_grammars(raw: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> torch.Tensor:
+    """Step 0: a copy of ``raw`` ``[B, V]`` with ``-inf`` where the grammar of a row in ``constrained`` (row
+    indices whose ``grammar`` is set) does not allow the token; columns past the tokenizer's vocabulary are
+    never allowed. The bitmasks are computed here, from the matchers' current state."""
+    from pagedserve.engine.structured_output.grammar import fill_bitmasks  # the grammar library, when used
+
+    bitmask = fill_bitmasks([rows[i].grammar for i in constrained])
+    logits = raw.clone()
+    if len(constrained) == len(rows):
+        apply_bitmask_(logits, bitmask)
+    else:
+        idx = torch.tensor(constrained, device=raw.device)
+        part = logits[idx]
+        apply_bitmask_(part, bitmask)
+        logits[idx] = part
+    return logits
+
+
+def _keep_some_allowed(processed: torch.Tensor, masked: torch.Tensor, constrained: list[int]) -> None:
+    """Constrained rows that steps 2-5 left with no finite logit (``min_tokens`` masking the only allowed stop
+    token) take back their masked logits, so the grammar still holds."""
+    idx = torch.tensor(constrained, device=processed.device)
+    dead = idx[processed[idx].amax(dim=-1).isneginf()]
+    if dead.numel():
+        processed[dead] = masked[dead]
 
 
 def apply_logits_processors(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

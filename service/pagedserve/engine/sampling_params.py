@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
+from pagedserve.engine.structured_output.params import StructuredOutput
 from pagedserve.errors import InvalidInputError
 
 # Temperatures below this are sampled greedily: dividing fp32 logits by them overflows (vLLM uses the same 1e-5).
@@ -95,6 +96,7 @@ class SamplingParams:
     skip_special_tokens: bool = True     # leave special tokens out of the text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id; <= 1024
     truncate_prompt_tokens: int | None = None  # >= 1: keep only the last k prompt tokens
+    structured_output: StructuredOutput | None = None  # a constraint on the text (a mapping is converted)
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
@@ -146,6 +148,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
         object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        if self.structured_output is not None:
+            object.__setattr__(self, "structured_output", StructuredOutput.from_value(self.structured_output))
 
     @property
     def greedy(self) -> bool:

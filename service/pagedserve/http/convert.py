@@ -8,6 +8,7 @@ import uuid
 from ..engine.llm_engine import Usage
 from ..engine.sampler import TokenLogprobs
 from ..engine.sampling_params import SamplingParams
+from ..engine.structured_output import StructuredOutput
 from ..errors import InvalidInputError
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from .errors import OpenAIError
@@ -55,7 +56,79 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         except ValueError:
             raise InvalidInputError("keys must be token ids (integers as strings)", "sampling.logit_bias") from None
     kwargs.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    constraint = structured_output(body)
+    if constraint is not None:
+        kwargs["structured_output"] = constraint[0]
     return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+# vLLM's structured_outputs keys -> StructuredOutput fields; option keys accepted and ignored (this server's JSON
+# never has free whitespace, and there is no fallback backend).
+_VLLM_KINDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+               "grammar": "grammar"}
+_VLLM_IGNORED = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def structured_output(body: ChatCompletionRequest | CompletionRequest) -> tuple[StructuredOutput, str] | None:
+    """The body's constraint and the body field that gave it, from exactly one of: OpenAI's ``response_format``
+    (``json_object``; ``json_schema`` with its ``schema``; ``text`` is none), vLLM's ``structured_outputs``
+    (``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) or vLLM's ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``. None when the body asks for none.
+
+    Raises:
+        OpenAIError: 400 naming the field: two of them at once, an unknown type or key, a bad value.
+    """
+    found: list[tuple[dict, str]] = []
+    rf = body.response_format
+    if rf is not None and rf.get("type", "text") != "text":
+        found.append((_from_response_format(rf), "response_format"))
+    if body.structured_outputs:
+        found.append((_from_vllm(body.structured_outputs), "structured_outputs"))
+    found.extend(({kind: getattr(body, name)}, name) for name, kind in _GUIDED.items()
+                 if getattr(body, name) is not None)
+    if not found:
+        return None
+    if len(found) > 1:
+        raise OpenAIError(400, f"give one structured output constraint, not {found[0][1]} and {found[1][1]}",
+                          param=found[1][1])
+    value, param = found[0]
+    try:
+        return StructuredOutput.from_value(value), param
+    except InvalidInputError as exc:
+        raise OpenAIError(400, str(exc).removeprefix(f"{exc.field}: "), param=param) from None
+
+
+def _from_response_format(rf: dict) -> dict:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise OpenAIError(400, "json_schema needs a `schema`", param="response_format.json_schema.schema")
+        return {"json_schema": spec["schema"]}
+    raise OpenAIError(400, f"type {kind!r} is not supported (text, json_object, json_schema)",
+                      param="response_format.type", code="unsupported")
+
+
+def _from_vllm(so: dict) -> dict:
+    unknown = sorted(k for k in so if k not in _VLLM_KINDS and k not in _VLLM_IGNORED)
+    if unknown:
+        raise OpenAIError(400, f"unsupported key(s) {unknown}; supported: {', '.join(_VLLM_KINDS)}",
+                          param="structured_outputs", code="unsupported")
+    return {_VLLM_KINDS[k]: v for k, v in so.items() if k in _VLLM_KINDS and v not in (None, False)}
+
+
+def public_constraint_error(exc: InvalidInputError, body) -> OpenAIError | None:
+    """A compile error of the body's constraint (``sampling.structured_output.*``) as a 400 naming the body field
+    that gave it (``response_format``, ``guided_json``, ...); None for any other error."""
+    if not (exc.field or "").startswith("sampling.structured_output"):
+        return None
+    constraint = structured_output(body)
+    param = constraint[1] if constraint else "structured_output"
+    return OpenAIError(400, str(exc).removeprefix(f"{exc.field}: "), param=param)
 
 
 def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:

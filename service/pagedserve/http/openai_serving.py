@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..embedding.interface import EmbedInputs
 from ..engine.llm_engine import CompletionDelta
+from ..errors import InvalidInputError
 from ..serving.generation import GenerateCall, GenerationService
 from ..serving.prompts import TextPrompt
 from ..serving.services import Services
@@ -62,9 +63,6 @@ class OpenAIServing:
     # ---- chat / completions ------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
         cv.check_unsupported(body)
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise OpenAIError(400, "response_format other than text is not supported yet", param="response_format",
-                              code="unsupported")
         generation = self.services.require_generation()
         model = self._check_model(body.model, self.generation_name, "generation")
         k = (body.top_logprobs or 0) if body.logprobs else None
@@ -73,7 +71,7 @@ class OpenAIServing:
         params = cv.sampling_params(body, body.max_completion_tokens or body.max_tokens, k)
         calls = [GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt)]
         stream = _Stream(generation, calls, params.n)
-        await stream.open()
+        await _open(stream, body)
         shaper = _ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), params.n,
                              k is not None)
         if body.stream:
@@ -91,7 +89,7 @@ class OpenAIServing:
         calls = [GenerateCall(p, params, f"{rid}-{i}" if rid and len(prompts) > 1 else rid, body.priority,
                               body.cache_salt) for i, p in enumerate(prompts)]
         stream = _Stream(generation, calls, params.n)
-        prompt_ids = await stream.open()
+        prompt_ids = await _open(stream, body)
         text = cv.TokenText(generation.tokenizer)
         echo = [(p.text if isinstance(p, TextPrompt) else text.decode(ids), ids)
                 for p, ids in zip(prompts, prompt_ids)] if body.echo else None
@@ -120,6 +118,17 @@ class OpenAIServing:
             data.append({"object": "embedding", "index": i, "embedding": value})
         return {"object": "list", "model": model, "data": data,
                 "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
+
+
+async def _open(stream: "_Stream", body) -> list[list[int]]:
+    """``stream.open()``, with a constraint that fails to compile answered as a 400 naming the body field."""
+    try:
+        return await stream.open()
+    except InvalidInputError as exc:
+        err = cv.public_constraint_error(exc, body)
+        if err is None:
+            raise
+        raise err from None
 
 
 class _Stream:

@@ -53,6 +53,13 @@ class _SamplingBody(_Body):
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None
     request_id: str | None = None        # vLLM: the engine request id (default: random)
+    # Structured output, one of: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*.
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    structured_outputs: dict | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatMessage(_Body):
@@ -67,7 +74,6 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict | None = None  # only {"type": "text"}: structured output is not served yet
     add_generation_prompt: bool = True   # vLLM extra
 
 

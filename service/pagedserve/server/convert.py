@@ -11,6 +11,7 @@ from pagedserve_client.v1 import inference_pb2 as pb
 
 from ..engine.llm_engine import CompletionDelta
 from ..engine.sampling_params import SamplingParams
+from ..engine.structured_output import StructuredOutput
 from ..errors import InvalidInputError
 from ..serving.generation import GenerateCall
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
@@ -22,7 +23,8 @@ _FLOAT_TYPES = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Build engine SamplingParams from every field of the message: unset optional fields keep the engine's
-    defaults, an explicit 0 means 0; repeated fields become tuples, the ``logit_bias`` map sorted pairs.
+    defaults, an explicit 0 means 0; repeated fields become tuples, the ``logit_bias`` map sorted pairs, a set
+    message field goes through its converter in ``_MESSAGE_FIELDS`` (``structured_output``).
 
     Raises:
         InvalidInputError: a value out of range, or not finite (field ``sampling.<name>``).
@@ -34,9 +36,29 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             kwargs[fd.name] = tuple(sorted((int(k), float(v)) for k, v in value.items()))
         elif fd.is_repeated:
             kwargs[fd.name] = tuple(value)
+        elif fd.message_type is not None:
+            if msg.HasField(fd.name):
+                kwargs[fd.name] = _MESSAGE_FIELDS[fd.name](value)
         elif msg.HasField(fd.name):
             kwargs[fd.name] = float(value) if fd.cpp_type in _FLOAT_TYPES else value
     return SamplingParams(**kwargs)
+
+
+def structured_output_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
+    """The constraint of a StructuredOutput message (its ``kind`` oneof).
+
+    Raises:
+        InvalidInputError: no kind set (field ``sampling.structured_output``), or what StructuredOutput raises
+            (``sampling.structured_output.<field>``).
+    """
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return StructuredOutput()  # raises: exactly one kind must be set
+    value = getattr(msg, kind)
+    return StructuredOutput(**{kind: list(value.choices) if kind == "choice" else value})
+
+
+_MESSAGE_FIELDS = {"structured_output": structured_output_from_proto}
 
 
 def messages_from_proto(msgs: pb.ChatMessages, field: str) -> tuple[dict, ...]:
