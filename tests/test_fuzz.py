@@ -711,7 +711,7 @@ def test_after_fuzzing_the_server_is_serving_and_every_block_is_free(server, fuz
             assert status == health_pb2.HealthCheckResponse.SERVING, service
         kv = model_info(channel).kv_cache
     assert kv.num_blocks_free == kv.num_blocks_total, kv
-    assert kv.num_requests_running == 0 and kv.num_requests_waiting == 0 and front.dead is None
+    assert kv.num_requests_running == 0 and kv.num_requests_waiting == 0 and front.engine.dead is None
     print(f"\nfuzz: {sum(fuzz.codes.values())} calls, outcomes {dict(fuzz.codes)}, "
           f"blocks free {kv.num_blocks_free}/{kv.num_blocks_total}")
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidInputError
+from ..text_bounds import check_text_can_fit
 
 EmbedInputs = list[str] | list[list[int]]   # texts, or token id sequences (special tokens included)
 
@@ -77,6 +78,9 @@ def tokenize_inputs(tokenizer, texts: list[str], limit: int, truncate: bool = Fa
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidInputError(f"must be a string, got {type(text).__name__}", field=f"inputs[{i}]")
+    if not truncate:  # refuse what cannot fit from its length, before tokenizing it
+        for i, text in enumerate(texts):
+            check_text_can_fit(len(text.encode("utf-8")), limit, tokenizer, f"inputs[{i}]")
     if lower_case:
         texts = [t.lower() for t in texts]
     ids = tokenizer(list(texts), add_special_tokens=True, truncation=truncate,
