@@ -8,8 +8,8 @@ Systems, measured one after the other (never at the same time), all greedy with 
   ours        `pagedserve serve` subprocess, every request its own Generate stream, `--concurrency` in flight
               (default: all); TTFT and TPOT per stream. `--api openai`: the same requests as streamed
               /v1/completions calls through the `openai` SDK's async client (prompt token ids, usage from
-              stream_options.include_usage); `--api both`: gRPC then HTTP, then both again, on one server
-              (systems ours-grpc and ours-http; each figure is the better of its two rounds).
+              stream_options.include_usage); `--api both`: gRPC then HTTP, `--rounds` times, on one server
+              (systems ours-grpc and ours-http; each figure is from its fastest round).
   hf-batched  HF `generate` on left-padded static batches of `--hf-batch-size` requests in workload order; a batch
               runs to its longest output (min_new_tokens = max_new_tokens), only the tokens each request asked
               for are counted, the rest is reported as wasted.
@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workload", choices=["quick", "mixed"], default="quick")
     p.add_argument("--api", choices=["grpc", "openai", "both"], default="grpc",
                    help="how our server is called: gRPC Generate, the OpenAI HTTP API, or both (same server)")
+    p.add_argument("--rounds", type=int, default=3, help="with --api both: alternating rounds per API")
     p.add_argument("--num-requests", type=int, default=None, help="default: 16 (quick) or 64 (mixed)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="quick workload's output length")
     p.add_argument("--seed", type=int, default=0, help="mixed workload's seed")
@@ -70,7 +71,7 @@ def bench_ours(args, requests, tokenizer) -> dict:
                    "openai": lambda reqs, c: common.run_http_streams(server.http_base_url, reqs, c)}
         for api in apis:
             asyncio.run(clients[api]([common.warmup_request(tokenizer)], 1))
-        for _ in range(2 if len(apis) > 1 else 1):  # alternate, so drift on a noisy machine hits both alike
+        for _ in range(args.rounds if len(apis) > 1 else 1):  # alternate: drift on a noisy machine hits both
             for api in apis:
                 runs[api].append(asyncio.run(clients[api](requests, concurrency)))
     results = []
