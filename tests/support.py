@@ -53,11 +53,11 @@ class ServerThread:
         self.thread.join(10)
 
 
-def wait_until(predicate, timeout_s: float, what=lambda: "") -> None:
-    """Poll ``predicate`` every 20 ms; fail after ``timeout_s`` with ``what()``."""
+def wait_until(predicate, timeout_s: float, what="") -> None:
+    """Poll ``predicate`` every 20 ms; fail after ``timeout_s`` saying ``what`` (a string, or a callable giving one)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s: {what()}"
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s: {what() if callable(what) else what}"
         time.sleep(0.02)
 
 

@@ -22,18 +22,11 @@ from pagedserve.engine.request import RequestStatus
 from pagedserve_client import pb
 from pagedserve_client.v1 import inference_pb2_grpc
 
-from support import server_sharing_model
+from support import assert_no_blocks_held, server_sharing_model, wait_until
 
 SERVICE = "pagedserve.v1.InferenceService"
 FAULTY_PROMPT = [2000 + i for i in range(10)]
 GOOD_PROMPTS = [[1000 + i for i in range(7)], [3000 + 3 * i for i in range(12)], [5000, 5001, 5002]]
-
-
-def wait_until(predicate, timeout_s: float, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def greedy(prompt: list[int], max_tokens: int, **sampling) -> pb.GenerateRequest:
@@ -60,14 +53,6 @@ def run_streams(target: str, requests: list[pb.GenerateRequest]) -> list[tuple[s
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             return await asyncio.gather(*(_stream(stub, r) for r in requests))
     return asyncio.run(main())
-
-
-def assert_idle_and_free(server, timeout_s: float = 20) -> None:
-    engine, front = server.engine, server.app.services.generation
-    wait_until(lambda: not engine.has_unfinished() and not front.num_live_requests and not engine.groups,
-               timeout_s, f"the engine to go idle: {engine.stats()}")
-    stats = engine.stats()
-    assert stats["num_blocks_free"] == stats["num_blocks_total"], stats
 
 
 def _fault_in_detokenizer(monkeypatch, should_fail) -> None:
@@ -107,7 +92,7 @@ def test_a_failure_in_one_request_fails_only_that_request(server, monkeypatch, i
     assert len(ids) < 12
     assert [r[0] for r in results[:1] + results[2:]] == ["OK"] * 3
     assert [r[2:] for r in results[:1] + results[2:]] == [e[2:] for e in expected]   # same tokens, same text
-    assert_idle_and_free(server)
+    assert_no_blocks_held(server)
 
 
 def test_a_failure_in_one_of_n_completions_aborts_its_siblings(server, monkeypatch):
@@ -130,7 +115,7 @@ def test_a_failure_in_one_of_n_completions_aborts_its_siblings(server, monkeypat
         wait_until(lambda: rid not in server.engine.groups, 5, "the sibling completion to be aborted")
     finally:  # leave nothing running for the next tests
         server.run(server.app.services.generation.abort([rid]))
-    assert_idle_and_free(server)
+    assert_no_blocks_held(server)
 
 
 def test_a_killed_client_is_detected_and_its_request_aborted(server):
@@ -163,7 +148,7 @@ def test_a_killed_client_is_detected_and_its_request_aborted(server):
         proc.stdout.close()
     assert request.status == RequestStatus.FINISHED_ABORTED and request.num_output_tokens < 2000
     assert not request.blocks
-    assert_idle_and_free(server)
+    assert_no_blocks_held(server)
     print(f"\nkilled client detected and aborted after {detected_s:.2f} s")
 
 

@@ -33,6 +33,7 @@ from pagedserve.engine import sampling_params as sp
 from pagedserve.errors import InvalidInputError
 from pagedserve_client import pb
 from pagedserve_client.v1 import inference_pb2_grpc
+from support import assert_no_blocks_held
 
 SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 U32, U64, I32 = 2**32 - 1, 2**64 - 1, 2**31 - 1
@@ -490,7 +491,7 @@ def test_resource_limits_are_enforced_with_invalid_argument(server):
         too_big = "a" * (server.app.server_config.max_receive_message_bytes + 1)
         code, details = _generate(channel, pb.GenerateRequest(prompt=too_big))
         assert code == "RESOURCE_EXHAUSTED" and "Received message larger than max" in details, (code, details)
-    assert_idle(server)
+    assert_no_blocks_held(server)
 
 
 @pytest.mark.parametrize("field, kwargs", [(f, past) for f, _, past in limit_cases(20, 100)[:5]])
@@ -534,7 +535,7 @@ def test_request_ids_like_a_completion_index_do_not_collide(server):
     alone = run([a]) + run([b])
     together = run([a, b])
     assert together == alone
-    assert_idle(server)
+    assert_no_blocks_held(server)
 
 
 def _tokens_by_index(stub, req) -> tuple[str, dict]:
@@ -569,14 +570,6 @@ def test_a_huge_prompt_does_not_stall_other_calls(server):
         assert call.result()[0] == "INVALID_ARGUMENT"
     # Blocked, a health check waits about as long as the whole call (the tokenizing); served, milliseconds.
     assert worst < max(0.2, took / 4), f"a health check waited {worst:.2f} s of the call's {took:.2f} s"
-
-
-def assert_idle(server, timeout_s: float = 30) -> None:
-    engine, front = server.engine, server.app.services.generation
-    wait_until(lambda: not engine.has_unfinished() and not front.num_live_requests and not engine.groups,
-               timeout_s, engine.stats)
-    stats = engine.stats()
-    assert stats["num_blocks_free"] == stats["num_blocks_total"], stats
 
 
 # -------------------------------------------------------------------------------------------------- the tests
@@ -701,9 +694,7 @@ def test_fuzz_detokenize_and_abort(fuzz):
 
 def test_after_fuzzing_the_server_is_serving_and_every_block_is_free(server, fuzz):
     fuzz.drain()
-    engine, front = server.engine, server.app.services.generation
-    wait_until(lambda: not engine.has_unfinished() and not front.num_live_requests and not engine.groups,
-               30, engine.stats)
+    assert_no_blocks_held(server)
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "pagedserve.v1.InferenceService"):
@@ -711,13 +702,6 @@ def test_after_fuzzing_the_server_is_serving_and_every_block_is_free(server, fuz
             assert status == health_pb2.HealthCheckResponse.SERVING, service
         kv = model_info(channel).kv_cache
     assert kv.num_blocks_free == kv.num_blocks_total, kv
-    assert kv.num_requests_running == 0 and kv.num_requests_waiting == 0 and front.engine.dead is None
+    assert kv.num_requests_running == 0 and kv.num_requests_waiting == 0 and server.app.services.generation.engine.dead is None
     print(f"\nfuzz: {sum(fuzz.codes.values())} calls, outcomes {dict(fuzz.codes)}, "
           f"blocks free {kv.num_blocks_free}/{kv.num_blocks_total}")
-
-
-def wait_until(predicate, timeout_s: float, describe=lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not idle after {timeout_s} s: {describe()}"
-        time.sleep(0.02)
