@@ -24,21 +24,19 @@ class Services:
             EngineUnavailableError: still loading, or shutting down.
             ModelNotLoadedError: this server serves no generation model.
         """
-        self._check_open()
-        if self.generation is None:
-            if self.loading:
-                raise EngineUnavailableError("the models are still loading")
-            raise ModelNotLoadedError("no generation model is loaded")
-        return self.generation
+        return self._require(self.generation, "generation")
 
     def require_embedding(self) -> EmbeddingService:
         """The embedding service; raises as :meth:`require_generation` does."""
+        return self._require(self.embedding, "embedding")
+
+    def _require(self, service, kind: str):
         self._check_open()
-        if self.embedding is None:
+        if service is None:
             if self.loading:
                 raise EngineUnavailableError("the models are still loading")
-            raise ModelNotLoadedError("no embedding model is loaded")
-        return self.embedding
+            raise ModelNotLoadedError(f"no {kind} model is loaded")
+        return service
 
     def _check_open(self) -> None:
         if self.shutting_down:
