@@ -17,7 +17,8 @@ def server():
     from pagedserve.config import EngineConfig, ServerConfig
 
     s = ServerThread(ServerConfig(host="127.0.0.1", port=0),
-                     EngineConfig(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=32))
+                     EngineConfig(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=32,
+                                  quantization="none"))
     yield s
     s.stop()
 

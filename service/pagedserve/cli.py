@@ -65,6 +65,12 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--no-generation-model", action="store_true", help="serve no generation model (Embed only)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    s.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantized linears: none (dequantize to --dtype), int8 (per output channel), int4 "
+                        "(per group of --quant-group-size; GGUF Q4_0/Q4_1 as stored), auto (a GGUF file keeps its own "
+                        "scheme where a kernel exists, an HF checkpoint stays unquantized)")
+    s.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128],
+                   help="weights per int4 scale/zero when quantizing at load")
     s.add_argument("--attention-backend", default="auto", choices=["auto", "cuda", "torch"])
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, "
@@ -147,6 +153,7 @@ def configs_from_args(args) -> tuple[ServerConfig, EngineConfig | None]:
         return server, None
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        quantization=args.quantization, quant_group_size=args.quant_group_size,
         block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

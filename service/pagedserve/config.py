@@ -33,6 +33,13 @@ class EngineConfig:
         enable_prefix_caching: reuse cached full KV blocks across requests.
         max_logprobs: largest logprobs / prompt_logprobs k accepted.
         seed: seed of the shared generator used by unseeded sampling.
+        quantization: weight-only quantization of the linears: "none" (every weight dequantized to ``dtype``),
+            "int8" (per output channel), "int4" (per group of ``quant_group_size``; GGUF Q4_0/Q4_1 blocks as
+            stored) or "auto" (a GGUF file keeps its own scheme where a kernel exists: Q4_0/Q4_1 as int4, Q8_0 as
+            int8, others dequantized; an HF checkpoint stays unquantized). Activations stay in ``dtype`` around
+            the kernels (torch's CPU kernels; on CUDA the weights are dequantized, with a log line).
+        quant_group_size: weights per int4 scale/zero along the input dimension when quantizing at load
+            (32, 64 or 128); GGUF blocks keep their own (32).
     """
 
     model: str | None = None
@@ -51,8 +58,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     seed: int = 0
+    quantization: str = "auto"
+    quant_group_size: int = 32
 
     def __post_init__(self) -> None:
+        _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
+               f"unknown scheme {self.quantization!r}; one of auto, none, int8, int4")
+        _check(self.quant_group_size in (32, 64, 128), "quant_group_size", "must be 32, 64 or 128")
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
         _check(self.attention_backend in ("auto", "cuda", "torch"), "attention_backend",
                f"unknown backend {self.attention_backend!r}")
