@@ -13,9 +13,10 @@ weight is computed in float32 from the codes and the scales, with one rounding a
 The layers: :class:`Int4Linear` (``torch.ops.aten._weight_int4pack_mm_for_cpu``), :class:`Int8Linear`
 (``torch.ops.aten._weight_int8pack_mm``) and :class:`Q8Embedding` (rows dequantized at lookup, exactly). On this
 project's AVX2 CPUs only the bfloat16-activation paths of those kernels are vectorized (float32 and float16
-activations run a scalar loop, 10-40x slower, measured in bench/quant.py's notes), so the layers round their input
-to bfloat16, the kernel's scales and zeros are bfloat16 copies of the float32 ones, and the output is cast back to
-the compute dtype. The stored codes and float32 scales stay the exact ones (see ``dequantize``).
+activations run a scalar loop, 10-40x slower, measured in bench/README.md), so the layers round their input to
+bfloat16, the kernel's scales are bfloat16 copies of the float32 ones (int4 zeros are applied in float32 beside the
+kernel), and the output is cast back to the compute dtype. The stored codes and float32 scales stay the exact ones
+(see ``dequantize``).
 """
 from __future__ import annotations
 
@@ -90,8 +91,11 @@ class Int8ChannelWeight:
     codes: torch.Tensor
     scales: torch.Tensor
 
-    def dequantize(self) -> torch.Tensor:
-        return self.codes.to(torch.float32) * self.scales[:, None]
+    def dequantize(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 ``[N, K]`` (or the rows ``index``)."""
+        if index is None:
+            return self.codes.to(torch.float32) * self.scales[:, None]
+        return self.codes[index].to(torch.float32) * self.scales[index][:, None]
 
 
 QuantizedWeight = Int4Weight | Int8BlockWeight | Int8ChannelWeight
@@ -127,10 +131,16 @@ def _to_kernel_input(x: torch.Tensor, k: int) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """``y = x @ W.T (+ bias)`` with W an :class:`Int4Weight`, through ``_weight_int4pack_mm_for_cpu``.
 
+    The kernel computes ``sum_k x[m, k] * (q[n, k] - 8) * scale[n, g(k)] (+ zero[n, g(k)])`` with its scales and
+    zeros in bfloat16 (its only vectorized CPU path). The zeros are kept out of it: the kernel gets zero 0, and
+    ``sum_g (sum_{k in g} x[m, k]) * zero[n, g]`` is added in float32 with the exact zeros (Q4_1's ``m + 8 d``);
+    rounding them to bfloat16 cost a quarter of the int4 model's top-1 disagreements with the fp32 model
+    (tests/test_quant.py). Only the scales are rounded (float16 ``d`` to bfloat16).
+
     Buffers: ``packed`` uint8 ``[N, K // 2]`` (``_convert_weight_to_int4pack_for_cpu``'s layout, made once from the
-    codes), ``scales_and_zeros`` bfloat16 ``[K // group_size, N, 2]`` (the kernel's layout; its formula is
-    ``(q - 8) * scale + zero``, checked against our float32 formula in tests). x: ``[..., K]``; returns ``[..., N]``
-    in x's dtype.
+    codes), ``scales_and_zeros`` bfloat16 ``[K // group_size, N, 2]`` (the kernel's layout, zeros 0), ``zeros``
+    float32 ``[K // group_size, N]`` (None when all are 0, as in Q4_0). x: ``[..., K]``; returns ``[..., N]`` in
+    x's dtype.
 
     Raises:
         ValueError: a group size the kernel lacks, K not a multiple of it, or N not a multiple of 16.
@@ -146,15 +156,22 @@ class Int4Linear(nn.Module):
         self.source = weight.source
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.codes.to(torch.int32).contiguous(), 1))
-        sz = torch.stack([weight.scales.t(), weight.zeros.t()], dim=-1)
+        sz = torch.stack([weight.scales.t(), torch.zeros_like(weight.scales.t())], dim=-1)
         self.register_buffer("scales_and_zeros", sz.to(KERNEL_DTYPE).contiguous())
+        has_zeros = bool(weight.zeros.any())
+        self.register_buffer("zeros", weight.zeros.t().contiguous() if has_zeros else None)
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_to_kernel_input(x, self.in_features), self.packed,
-                                                       self.group_size, self.scales_and_zeros)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE), self.packed, self.group_size,
+                                                       self.scales_and_zeros).to(torch.float32)
+        if self.zeros is not None:
+            group_sums = x2.to(torch.float32).view(x2.shape[0], -1, self.group_size).sum(-1)
+            y = torch.addmm(y, group_sums, self.zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, source={self.source}"
@@ -201,3 +218,32 @@ class Q8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight_blocks().dequantize(ids).to(self.dtype)
+
+
+class RescoredLMHead(nn.Module):
+    """An LM head through the int8 kernel whose ``top_k`` best logits per row are recomputed exactly.
+
+    The kernel's logits carry two errors: the weights requantized per channel (from Q8_0's per-block scales) and
+    the bfloat16 output, whose rounding step is 0.125 at logits of 16-32 (measured: top-1 agreement with the fp32
+    head fell to 97% on 1,000 tokens). So the ``top_k`` largest approximate logits of each row are replaced by the
+    float32 product of the hidden state with the exact rows of ``exact`` (the stored Q8_0 blocks, or the int8
+    weight itself); greedy choices and the sampled head of the distribution then use exact logits.
+
+    x: ``[M, K]``; returns float32 logits ``[M, N]``.
+    """
+
+    def __init__(self, approx: Int8Linear, exact: Int8BlockWeight | Int8ChannelWeight, top_k: int = 32):
+        super().__init__()
+        self.approx, self.exact, self.top_k = approx, exact, top_k
+        self.source = approx.source
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.approx(x).to(torch.float32)
+        k = min(self.top_k, logits.shape[-1])
+        idx = logits.topk(k, dim=-1, sorted=False).indices                     # [M, k]
+        rows = self.exact.dequantize(idx.reshape(-1)).view(*idx.shape, -1)      # [M, k, K] float32, exact
+        logits.scatter_(-1, idx, torch.bmm(rows, x.to(torch.float32).unsqueeze(-1)).squeeze(-1))
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}"

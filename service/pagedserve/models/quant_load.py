@@ -27,8 +27,8 @@ import structlog
 import torch
 from torch import nn
 
-from .quant import (Int4Linear, Int4Weight, Int8BlockWeight, Int8Linear, Q8Embedding, quantize_int4,
-                    quantize_int8_per_channel)
+from .quant import (Int4Linear, Int4Weight, Int8BlockWeight, Int8Linear, Q8Embedding, RescoredLMHead,
+                    quantize_int4, quantize_int8_per_channel)
 
 log = structlog.get_logger(__name__)
 
@@ -125,8 +125,13 @@ def build_linear(pieces: list, bias: torch.Tensor | None, plan: QuantPlan, lm_he
         return Int4Linear(quantize_int4(dense, plan.group_size), bias)
     if plan.scheme in ("int4", "int8") or lm_head or all_q8:
         how = "requantized from Q8_0" if all_q8 else "quantized at load"
-        plan.counts[f"{'lm_head' if lm_head else 'linear'} int8 per channel ({how})"] += 1
-        return Int8Linear(quantize_int8_per_channel(dense), bias, source=how)
+        q8 = quantize_int8_per_channel(dense)
+        if lm_head:
+            head = RescoredLMHead(Int8Linear(q8, bias, source=how), pieces[0] if all_q8 else q8)
+            plan.counts[f"lm_head int8 per channel ({how}; top-{head.top_k} logits exact)"] += 1
+            return head
+        plan.counts[f"linear int8 per channel ({how})"] += 1
+        return Int8Linear(q8, bias, source=how)
     plan.counts[f"linear dense {str(plan.dtype).removeprefix('torch.')} (dequantized)"] += 1
     layer = nn.Linear(dense.shape[1], dense.shape[0], bias=bias is not None, dtype=plan.dtype)
     layer.weight.data.copy_(dense)
