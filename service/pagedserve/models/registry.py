@@ -54,4 +54,22 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     model.load_weights(weights, plan)
     model = model.to(device).eval()
     model.requires_grad_(False)
+    release_freed_heap()
     return model
+
+
+def release_freed_heap() -> None:
+    """Give the heap pages freed by loading back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    Loading frees many temporaries of a few MB (dequantized blocks, repacked codes) that glibc keeps in its heap
+    below its mmap threshold; without this the RSS after loading the embedded GGUF as int4 stays 150 MiB above
+    what the weights take (measured: 341 -> 187 MiB; fp32: 635 -> 559 MiB).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
