@@ -206,3 +206,49 @@ def test_weight_memory_at_most_40_percent_of_fp32():
     print(f"\nRSS after load: fp32 {got['none']['rss_bytes'] / 2**20:.0f} MiB, "
           f"{got['auto']['quantization']}: {got['auto']['rss_bytes'] / 2**20:.0f} MiB ({ratio:.2f}x)")
     assert ratio <= 0.40
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A random Qwen2 (QKV bias, untied LM head) saved as an HF safetensors checkpoint."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int8", 32)])
+def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group):
+    """An HF checkpoint: auto stays unquantized; int4 (group 32/64) and int8 build quantized linears (fused QKV
+    with its bias, gate/up) and an int8 LM head, and the logits stay close to the fp32 model's."""
+    from pagedserve.models.loader import ModelSource
+    from pagedserve.models.registry import build_model
+
+    src = ModelSource.resolve(tiny_qwen2_dir)
+    cfg = src.load_config()
+    ref_model = build_model(src, cfg, torch.float32, "cpu", quantization="auto")
+    assert ref_model.quantization == "none"
+    model = build_model(src, cfg, torch.float32, "cpu", quantization=scheme, quant_group_size=group)
+    linear = Int4Linear if scheme == "int4" else Int8Linear
+    assert isinstance(model.layers[0].self_attn.qkv_proj, linear)
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    assert isinstance(model.layers[1].mlp.gate_up_proj, linear)
+    assert scheme in model.quantization and "lm_head int8" in model.quantization
+    ids = list(range(3, 40))
+    _, nll_ref = _teacher_forced(ref_model, ids)
+    top, nll = _teacher_forced(model, ids)
+    assert (nll - nll_ref).abs().max().item() < 0.05 * nll_ref.abs().max().item()
+
+
+def test_quantization_config_errors():
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="^quantization:"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="^quant_group_size:"):
+        EngineConfig(quant_group_size=48)
