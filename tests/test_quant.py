@@ -32,23 +32,24 @@ def test_gguf_tensors_unpack_to_gguf_dequantization(smollm_source, llm_parts):
     assert kinds == {"Int4Weight": 210, "Int8BlockWeight": 1}
 
 
+@pytest.fixture(scope="module")
+def gguf_weights(smollm_source, llm_parts):
+    """Two of the embedded GGUF's Q4_1 weights as the loader keeps them, read in one pass."""
+    wanted = ("model.layers.0.mlp.down_proj.weight", "model.layers.3.mlp.gate_proj.weight")
+    return {n: w for n, w in smollm_source.iter_weights(llm_parts[2], torch.float32, keep_quantized=True)
+            if n in wanted}
+
+
 def _kernel_view(w: Int4Weight) -> torch.Tensor:
     """The weights Int4Linear runs: scales rounded to bfloat16 (the kernel's), zeros exact (applied in float32)."""
     return Int4Weight(w.codes, w.scales.bfloat16().float(), w.zeros, w.group_size, w.source).dequantize()
 
 
-def _layer0_qkv(llm_int4) -> Int4Linear:
-    layer = llm_int4.layers[0].self_attn.qkv_proj
-    assert isinstance(layer, Int4Linear) and layer.source == "Q4_1"
-    return layer
-
-
-def test_int4_kernel_layout_and_formula(smollm_source, llm_parts):
+def test_int4_kernel_layout_and_formula(gguf_weights):
     """The packed layout holds the codes (identity input, scale 1, zero 0 gives q - 8 exactly), and with the real
     scales and zeros the layer's weights are bf16((q - 8) * bf16(scale)) + zero: the kernel's product rounded
     to its bfloat16 output, the exact zero added in float32."""
-    name, w = next((n, w) for n, w in smollm_source.iter_weights(llm_parts[2], torch.float32, keep_quantized=True)
-                   if n.endswith("mlp.down_proj.weight"))
+    w = gguf_weights["model.layers.0.mlp.down_proj.weight"]
     n, k = w.codes.shape
     eye = torch.eye(k, dtype=torch.bfloat16)
     unit = Int4Linear(Int4Weight(w.codes, torch.ones_like(w.scales), torch.zeros_like(w.zeros), 32, "t"))
@@ -67,12 +68,11 @@ def _rounding_bound(x, w, w_kernel, y_ref):
 
 
 @pytest.mark.parametrize("m", [1, 7, 64])
-def test_quantized_linear_matches_dequantized_fp32_linear(llm_int4, smollm_source, llm_parts, m):
+def test_quantized_linear_matches_dequantized_fp32_linear(gguf_weights, m):
     """Int4Linear (Q4_1 as stored) and Int8Linear against F.linear with the dequantized fp32 weight, within the
     kernel's rounding; the error is also small in absolute terms."""
     gen = torch.Generator().manual_seed(m)
-    w = next(w for n, w in smollm_source.iter_weights(llm_parts[2], torch.float32, keep_quantized=True)
-             if n.endswith("layers.3.mlp.gate_proj.weight"))
+    w = gguf_weights["model.layers.3.mlp.gate_proj.weight"]
     x = torch.randn(m, w.codes.shape[1], generator=gen)
     dense = w.dequantize()
     ref = torch.nn.functional.linear(x, dense)
@@ -104,6 +104,8 @@ def test_q8_embedding_rows_exact(llm_int4, llm_parts):
     """The Q8_0 embedding kept as stored gives exactly the dequantized fp32 model's rows."""
     ids = torch.tensor([0, 1, 17, 1000, 49151])
     assert isinstance(llm_int4.embed_tokens.weight_blocks(), Int8BlockWeight)
+    assert all(isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.source == "Q4_1"
+               for layer in llm_int4.layers)
     assert torch.equal(llm_int4.embed_tokens(ids), llm_parts[0].embed_tokens(ids))
 
 
