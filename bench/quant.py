@@ -147,7 +147,8 @@ def main(argv=None) -> int:
         ratios["tpot_ours_over_hf_fp32"] = ours["tpot_ms"] / res["hf"]["tpot_ms"]
     if res["llama.cpp"] is not None:
         ratios["tpot_ours_over_llamacpp"] = ours["tpot_ms"] / res["llama.cpp"]["tpot_ms"]
-        ratios["streams_tok_s_over_llamacpp_single"] = ours["streams_tokens_per_s"] / (1e3 / res["llama.cpp"]["tpot_ms"])
+        llamacpp_tok_s = 1e3 / res["llama.cpp"]["tpot_ms"]
+        ratios["streams_tok_s_over_llamacpp_single"] = ours["streams_tokens_per_s"] / llamacpp_tok_s
     ratios["weight_rss_over_fp32"] = rss[args.quantization]["rss_bytes"] / rss["none"]["rss_bytes"]
     print(f"weight RSS: fp32 {rss['none']['rss_bytes'] / 2**20:.0f} MiB, {args.quantization} "
           f"{rss[args.quantization]['rss_bytes'] / 2**20:.0f} MiB")

@@ -163,15 +163,17 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        # Few ops on purpose: at one token a step runs 120 of these, and each torch op costs microseconds.
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE), self.packed, self.group_size,
-                                                       self.scales_and_zeros).to(torch.float32)
+                                                       self.scales_and_zeros)
         if self.zeros is not None:
-            group_sums = x2.to(torch.float32).view(x2.shape[0], -1, self.group_size).sum(-1)
-            y = torch.addmm(y, group_sums, self.zeros)
+            group_sums = x2.view(x2.shape[0], -1, self.group_size).sum(-1, dtype=torch.float32)
+            y = torch.addmm(y.to(torch.float32), group_sums, self.zeros)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, source={self.source}"
