@@ -169,15 +169,17 @@ def test_int4_greedy_chat_answers(llm_int4, llm_parts):
     from test_generate_e2e import CHAT_PROMPTS, chat_ids
 
     model, tokenizer, cfg = llm_parts
-    outs = []
+    outs, infos = [], []
     for m in (llm_int4, model):
         engine, info = build_engine(EngineConfig(device="cpu", attention_backend="torch", num_kv_blocks=64),
                                     model=m, tokenizer=tokenizer, hf_config=cfg)
+        infos.append(info.quantization)  # what GetModelInfo reports
         for i, p in enumerate(CHAT_PROMPTS):
             engine.add_request(f"r{i}", chat_ids(tokenizer, p), SamplingParams(max_tokens=8, temperature=0.0))
         done = run_to_completion(engine)
         outs.append([done[f"r{i}"][0][0] for i in range(len(CHAT_PROMPTS))])
-    assert info.quantization == "none"
+    assert infos[1] == "none" and infos[0].startswith("gguf: ")
+    assert "120 linear int4-g32 (Q4_1 as stored)" in infos[0] and "embedding Q8_0 (as stored)" in infos[0]
     same = [a == b for a, b in zip(*outs)]
     for p, a, b in zip(CHAT_PROMPTS, *outs):
         print(f"\n{p!r}\n  int4: {tokenizer.decode(a)!r}\n  fp32: {tokenizer.decode(b)!r}")
