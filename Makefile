@@ -12,7 +12,10 @@ PORT ?= 50051
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast bench protos clean
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+
+.PHONY: setup serve test test-fast bench bench-quant bench-llamacpp-setup protos clean
 
 setup: $(STAMP)
 
@@ -36,8 +39,17 @@ test: setup
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/throughput.py
 
+# llama.cpp baseline for bench/quant.py: llama-cpp-python built from source (about 10 min on 2 cores; needs cmake and
+# a C++ compiler) in a venv of its own, never in .venv and never in make test.
+bench-llamacpp-setup:
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(LLAMACPP_VENV)/bin/pip install "$(LLAMACPP_SPEC)"
+
+bench-quant: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/quant.py --llamacpp-python $(LLAMACPP_VENV)/bin/python
+
 protos: setup
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info service/*.egg-info client/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(LLAMACPP_VENV) build *.egg-info service/*.egg-info client/*.egg-info .pytest_cache

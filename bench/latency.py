@@ -24,6 +24,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default=common.QUICK_PROMPTS[0], help="user message of the chat prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantization", choices=["none", "auto", "int8", "int4"], default="none",
+                   help="the server's --quantization (default none: both systems run the dequantized weights; "
+                        "bench/quant.py compares the quantized server)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights / activations dtype of both systems (the server gets --dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads for both")
@@ -54,7 +57,7 @@ def ours_once(client, request: common.BenchRequest) -> tuple[common.StreamRecord
 def bench_ours(args, request, warmup) -> tuple[list[common.StreamRecord], list[int]]:
     from pagedserve_client import PagedServeClient
 
-    with common.ServerProcess(args.threads, ["--dtype", args.dtype, *args.server_arg]) as server:
+    with common.ServerProcess(args.threads, ["--dtype", args.dtype, "--quantization", args.quantization, *args.server_arg]) as server:
         with PagedServeClient(server.target, timeout_s=600) as client:
             ours_once(client, warmup)
             runs = [ours_once(client, request) for _ in range(args.repeats)]

@@ -32,6 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     return p.parse_args(argv)
 
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     from pagedserve.engine.sampling_params import SamplingParams
 
     config = EngineConfig(device="cpu", dtype=args.dtype, attention_backend="torch", max_num_seqs=args.running,
-                          max_model_len=args.prompt_tokens + args.steps + 16)
+                          quantization=args.quantization, max_model_len=args.prompt_tokens + args.steps + 16)
     engine, _ = build_engine(config)
     totals: collections.Counter = collections.Counter()
     runner = engine.runner

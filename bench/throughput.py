@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-single-subset", type=int, default=4, help="requests HF runs one at a time (0: skip)")
     p.add_argument("--skip-hf", action="store_true", help="measure only our server")
     p.add_argument("--skip-ours", action="store_true", help="measure only HF transformers")
+    p.add_argument("--quantization", choices=["none", "auto", "int8", "int4"], default="none",
+                   help="the server's --quantization (default none: both systems run the dequantized weights; "
+                        "bench/quant.py compares the quantized server)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights / activations dtype of both systems (the server gets --dtype)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads for every system")
@@ -58,7 +61,7 @@ def build_workload(args, tokenizer) -> list[common.BenchRequest]:
 
 
 def bench_ours(args, requests, tokenizer) -> dict:
-    extra = ["--dtype", args.dtype, *args.server_arg]
+    extra = ["--dtype", args.dtype, "--quantization", args.quantization, *args.server_arg]
     if args.max_num_seqs is not None:
         extra += ["--max-num-seqs", str(args.max_num_seqs)]
     concurrency = args.concurrency or len(requests)

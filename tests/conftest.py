@@ -17,7 +17,8 @@ def server():
     from pagedserve.config import EngineConfig, ServerConfig
 
     s = ServerThread(ServerConfig(host="127.0.0.1", port=0, http_port=free_port()),
-                     EngineConfig(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=32))
+                     EngineConfig(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=32,
+                                  quantization="none"))
     yield s
     s.stop()
 
@@ -79,3 +80,14 @@ def make_engine(llm_parts):
         return engine
 
     return make
+
+
+@pytest.fixture(scope="session")
+def llm_int4(smollm_source, llm_parts):
+    """The embedded GGUF loaded with ``quantization="auto"``: Q4_1 linears as int4, the Q8_0 embedding as stored,
+    the tied LM head int8 per channel (CPU, fp32 activations around the kernels)."""
+    import torch
+
+    from pagedserve.models.registry import build_model
+
+    return build_model(smollm_source, llm_parts[2], torch.float32, "cpu", quantization="auto")

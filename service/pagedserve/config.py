@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "cuda", "torch")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -44,6 +45,13 @@ class EngineConfig:
         max_logprobs: largest logprobs / prompt_logprobs k accepted.
         seed: seed of the generator shared by requests that give no seed of their own (the sampler's); None seeds
             it from the OS at start.
+        quantization: weight-only quantization of the linears: "none" (every weight dequantized to ``dtype``),
+            "int8" (per output channel), "int4" (per group of ``quant_group_size``; GGUF Q4_0/Q4_1 blocks as
+            stored) or "auto" (a GGUF file keeps its own scheme where a kernel exists: Q4_0/Q4_1 as int4, Q8_0 as
+            int8, others dequantized; an HF checkpoint stays unquantized). Activations stay in ``dtype`` around
+            the kernels (torch's CPU kernels; on CUDA the weights are dequantized, with a log line).
+        quant_group_size: weights per int4 scale/zero along the input dimension when quantizing at load
+            (32, 64 or 128); GGUF blocks keep their own (32).
     """
 
     model: str | None = None
@@ -62,8 +70,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     seed: int | None = None
+    quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
+    quant_group_size: int = field(default=32, metadata={"choices": (32, 64, 128)})
 
     def __post_init__(self) -> None:
+        _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
+               f"unknown scheme {self.quantization!r}; one of auto, none, int8, int4")
+        _check(self.quant_group_size in (32, 64, 128), "quant_group_size", "must be 32, 64 or 128")
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
         _check(self.attention_backend in ("auto", "cuda", "torch"), "attention_backend",
                f"unknown backend {self.attention_backend!r}")

@@ -34,6 +34,7 @@ class EngineInfo:
     num_kv_blocks: int
     kv_block_bytes: int
     prefix_caching: bool
+    quantization: str   # the model's ``quantization`` ("none" or what models.quant_load built)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,7 +97,7 @@ def profile_peak_memory_bytes(config: EngineConfig, model, backend, device: torc
     n = min(config.max_num_batched_tokens, int(model.config.max_position_embeddings))
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.norm.dtype
     caches = allocate_kv_caches(model.num_layers, 1, config.block_size, model.num_kv_heads, model.head_dim,
                                 dtype, device)
     i32 = dict(dtype=torch.int32, device=device)
@@ -132,7 +133,7 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
     hf_config = hf_config or (model.config if model is not None else source.load_config())
     tokenizer = tokenizer or source.load_tokenizer()
     if model is None:
-        model = build_model(source, hf_config, dtype, device)
+        model = build_model(source, hf_config, dtype, device, config.quantization, config.quant_group_size)
     backend = backend or select_backend(config.attention_backend, device)
     block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
     num_blocks = config.num_kv_blocks or max(1, kv_cache_bytes(config, model, backend, device) // block_bytes)
@@ -157,5 +158,6 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
                       architecture=architecture_of(hf_config), dtype=str(dtype).removeprefix("torch."),
                       device=str(device), attention_backend=backend.name, max_model_len=max_model_len,
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
-                      kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching)
+                      kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
+                      quantization=getattr(model, "quantization", "none"))
     return engine, info

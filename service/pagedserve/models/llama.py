@@ -88,6 +88,7 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
         self.vocab_size = cfg.vocab_size
+        self.quantization = "none"  # what GetModelInfo reports; set by load_weights for quantized weights
         theta = getattr(cfg, "rope_theta", None)
         if theta is None:
             theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
@@ -98,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
 
     def reset_rotary_cache(self) -> None:
         """(Re)build the fp32 ``[max_position_embeddings, head_dim]`` rotary table on the model's device."""
-        device = self.embed_tokens.weight.device
+        device = self.norm.device
         self.cos_sin_cache = ops.rotary_cos_sin_cache(
             self.head_dim, self.config.max_position_embeddings, self.rope_theta, device)
 
@@ -124,9 +125,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab_size]`` float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        """``[N, hidden]`` -> ``[N, vocab_size]`` float32 logits (a quantized LM head when the weights are)."""
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     # ---- weights ----------------------------------------------------------------------------------------------
     _STACKED = {  # HF name fragment -> (our param fragment, shard index)
@@ -135,13 +137,21 @@ class LlamaForCausalLM(nn.Module):
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, object]], plan=None) -> None:
         """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...) into the fused parameters.
+
+        With a :class:`~.quant_load.QuantPlan`, the model's linears and embedding are placeholders
+        (:func:`~.quant_load.prepare_model`): their weights (tensors or quantized weights) are collected and the
+        layers built at the end (:func:`~.quant_load.finalize`). Without one, quantized weights are dequantized.
 
         Raises:
             ValueError: on an unknown name, a shape mismatch, or parameters left unloaded.
         """
+        from . import quant_load
+
         params = dict(self.named_parameters())
+        pending = {n: m for n, m in self.named_modules()
+                   if isinstance(m, (quant_load.PendingLinear, quant_load.PendingEmbedding))}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -156,6 +166,12 @@ class LlamaForCausalLM(nn.Module):
                 if hf in name:
                     target, shard = name.replace(hf, ours), idx
                     break
+            owner = target.removesuffix(".weight")
+            if owner in pending:
+                pending[owner].add(shard, tensor)
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                tensor = tensor.dequantize()
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r}")
             param = params[target]
@@ -168,6 +184,9 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}...")
+        if pending:
+            quant_load.finalize(self, plan, tied_lm_head=self.lm_head is None)
+            self.quantization = plan.summary()
 
     def _shards_of(self, name: str) -> list:
         if "qkv_proj" in name:

@@ -1,8 +1,9 @@
 """Find and read a generation model: a GGUF file, a directory holding one, or an HF directory with safetensors.
 
 Config, tokenizer and chat template come through transformers (``gguf_file=`` for GGUF). GGUF tensors are read with
-the ``gguf`` library and dequantized once, at load, to the model dtype; their names are mapped to HF names and the
-Q/K rows that llama.cpp's converter permuted for its rotary layout are put back in HF (neox) order.
+the ``gguf`` library and dequantized once, at load, to the model dtype, or (``keep_quantized``) Q4_0/Q4_1/Q8_0 ones
+are yielded as their blocks (:mod:`.gguf_blocks`); their names are mapped to HF names and the Q/K rows that
+llama.cpp's converter permuted for its rotary layout are put back in HF (neox) order.
 """
 from __future__ import annotations
 
@@ -84,10 +85,12 @@ class ModelSource:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(self.directory, gguf_file=self.gguf_file)
 
-    def iter_weights(self, config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` pairs in ``dtype`` on CPU."""
+    def iter_weights(self, config, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, object]]:
+        """Yield ``(hf_name, tensor)`` pairs in ``dtype`` on CPU. With ``keep_quantized``, a GGUF tensor of a type in
+        :data:`.gguf_blocks.KEPT_TYPES` comes as an :class:`~.quant.Int4Weight` / :class:`~.quant.Int8BlockWeight`
+        instead (its stored codes and scales)."""
         if self.gguf_file:
-            yield from _iter_gguf(os.path.join(self.directory, self.gguf_file), config, dtype)
+            yield from _iter_gguf(os.path.join(self.directory, self.gguf_file), config, dtype, keep_quantized)
         else:
             yield from _iter_safetensors(self.directory, dtype)
 
@@ -137,19 +140,30 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
-def _iter_gguf(path: str, config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: str, config, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, object]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
+
+    from .gguf_blocks import KEPT_TYPES, InexactRepackError, gguf_to_quant
 
     reader = GGUFReader(path)
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
-        arr = dequantize(t.data, t.tensor_type)
-        tensor = torch.from_numpy(arr.copy()).reshape([int(x) for x in reversed(t.shape)])
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            tensor = unpermute_rotary_rows(tensor, num_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            tensor = unpermute_rotary_rows(tensor, num_kv_heads)
+        shape = [int(x) for x in reversed(t.shape)]
+        heads = num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name else None
+        if keep_quantized and t.tensor_type.name in KEPT_TYPES and len(shape) == 2:
+            try:
+                weight = gguf_to_quant(t.data, (shape[0], shape[1]), t.tensor_type.name)
+            except InexactRepackError:
+                weight = None  # dequantized below, like any other type
+            if weight is not None:
+                if heads is not None:
+                    weight = weight.rows(unpermute_rotary_rows(torch.arange(shape[0]), heads))
+                yield name, weight
+                continue
+        tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(shape)
+        if heads is not None:
+            tensor = unpermute_rotary_rows(tensor, heads)
         yield name, tensor.to(dtype)

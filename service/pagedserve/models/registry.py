@@ -22,23 +22,54 @@ def architecture_of(config) -> str:
         config.model_type, config.model_type)
 
 
-def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device | str,
+                quantization: str = "none", quant_group_size: int = 32) -> torch.nn.Module:
     """Instantiate the registered class for ``config`` and load its weights.
 
+    quantization: "none" (every weight in ``dtype``), "int8", "int4" or "auto" (a GGUF file keeps its own scheme
+    where a kernel exists; an HF checkpoint stays unquantized); see :mod:`.quant_load`. quant_group_size: the int4
+    group size for weights quantized at load. The model's ``quantization`` attribute then says what was built.
+
     Raises:
-        ValueError: for an architecture not in :data:`MODEL_REGISTRY` or a checkpoint that does not fit it.
+        ValueError: for an architecture not in :data:`MODEL_REGISTRY`, a checkpoint that does not fit it, or an
+            unknown ``quantization``.
     """
+    from .quant_load import QuantPlan, prepare_model, resolve_scheme
+
     arch = architecture_of(config)
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
+    scheme = resolve_scheme(quantization, source.gguf_file is not None, torch.device(device))
+    plan = None if scheme == "none" else QuantPlan(scheme, quant_group_size, dtype)
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch](config)
+        if plan is not None:
+            prepare_model(model, model._shards_of)
     model = model.to_empty(device="cpu").to(dtype)
     model.reset_rotary_cache()  # meta-device buffers hold no data; the table stays fp32 whatever the dtype
     from tqdm.auto import tqdm
 
-    weights = tqdm(source.iter_weights(config, dtype), desc="loading weights", unit="tensor", disable=None)
-    model.load_weights(weights)
+    weights = tqdm(source.iter_weights(config, dtype, keep_quantized=plan is not None), desc="loading weights",
+                   unit="tensor", disable=None)
+    model.load_weights(weights, plan)
     model = model.to(device).eval()
     model.requires_grad_(False)
+    release_freed_heap()
     return model
+
+
+def release_freed_heap() -> None:
+    """Give the heap pages freed by loading back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    Loading frees many temporaries of a few MB (dequantized blocks, repacked codes) that glibc keeps in its heap
+    below its mmap threshold; without this the RSS after loading the embedded GGUF as int4 stays 150 MiB above
+    what the weights take (measured: 341 -> 187 MiB; fp32: 635 -> 559 MiB).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass

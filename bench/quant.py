@@ -1,0 +1,166 @@
+"""Quantized weights (issue 18): pagedserve with --quantization against HF `generate` fp32 and llama.cpp, one run.
+
+    .venv/bin/python bench/quant.py [--quantization auto] [--llamacpp-python .venv-llamacpp/bin/python]
+
+On the embedded SmolLM2-135M-Instruct Q4_1 GGUF, greedy, EOS ignored, every system with --threads intra-op threads,
+one system at a time (each in its own process, stopped before the next starts):
+- `ours`: `pagedserve serve --quantization Q --dtype float32`: one stream (--max-new-tokens, median of --repeats
+  runs; TTFT, TPOT), then --streams concurrent chat streams of --stream-tokens each (output tokens/s).
+- `hf`: HF transformers `generate` in float32 on the same GGUF (dequantized), one stream, a streamer's timings.
+- `llama.cpp`: llama-cpp-python on the same GGUF file, one stream (`Llama.generate`, top-k 1), run by
+  --llamacpp-python (a separate venv: `make bench-llamacpp-setup`); skipped, with a message, when that interpreter
+  cannot import llama_cpp.
+- weight memory: RSS grown by `build_model` in a fresh process, --quantization none against Q.
+
+Prints the table and the issue's ratios: our TPOT / HF's (goal <= 0.35), our streams' tokens/s / llama.cpp's
+single-stream tokens/s (goal >= 2), llama.cpp's TPOT beside ours, RSS ratio (goal <= 0.40).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import common
+import latency
+
+LLAMACPP_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, threads, n_new, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+prompt = json.loads(sys.argv[5])
+llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+def once(ids, n):
+    start = time.perf_counter(); times = []; out = []
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        times.append(time.perf_counter()); out.append(int(tok))
+        if len(out) == n:
+            break
+    return {"ttft_s": times[0] - start, "e2e_s": times[-1] - start, "tpot_s": (times[-1] - times[0]) / (n - 1),
+            "token_ids": out}
+once(prompt[:8], 8)
+runs = [once(prompt, n_new) for _ in range(repeats)]
+import llama_cpp
+print(json.dumps({"version": llama_cpp.__version__, "runs": runs}))
+"""
+
+RSS_SCRIPT = r"""
+import json, sys, torch
+from pagedserve.models.loader import ModelSource
+from pagedserve.models.registry import build_model
+import gguf, transformers, tqdm.auto
+src = ModelSource.resolve(None); cfg = src.load_config()
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+before = rss()
+model = build_model(src, cfg, torch.float32, "cpu", quantization=sys.argv[1])
+print(json.dumps({"rss_bytes": rss() - before, "quantization": model.quantization}))
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quantization", default="auto", choices=["auto", "int4", "int8", "none"])
+    p.add_argument("--prompt", default=common.QUICK_PROMPTS[0], help="user message of the single-stream prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", sys.executable),
+                   help="Python interpreter that can import llama_cpp (default: $LLAMACPP_PYTHON, else this one)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def bench_ours(args, request, warmup, tokenizer) -> dict:
+    from pagedserve_client import PagedServeClient
+
+    extra = ["--dtype", "float32", "--quantization", args.quantization]
+    with common.ServerProcess(args.threads, extra) as server:
+        with PagedServeClient(server.target, timeout_s=600) as client:
+            quantization = client.model_info().generation.quantization
+            latency.ours_once(client, warmup)
+            runs = [latency.ours_once(client, request) for _ in range(args.repeats)]
+        requests = common.quick_workload(tokenizer, args.streams, args.stream_tokens)
+        records, wall_s = asyncio.run(common.run_streams(server.target, requests, args.streams))
+    out = latency.summary([r for r, _ in runs])
+    tokens = sum(r.num_tokens for r in records)
+    out.update(quantization=quantization, token_ids=runs[0][1], streams=args.streams,
+               streams_tokens_per_s=tokens / wall_s, streams_tpot_p50_ms=common.percentile(
+                   [r.tpot_s for r in records], 50) * 1e3)
+    return out
+
+
+def bench_llamacpp(args, request) -> dict | None:
+    check = subprocess.run([args.llamacpp_python, "-c", "import llama_cpp"], capture_output=True, text=True)
+    if check.returncode != 0:
+        print(f"llama.cpp: skipped, {args.llamacpp_python} cannot import llama_cpp "
+              f"(make bench-llamacpp-setup builds one; then --llamacpp-python .venv-llamacpp/bin/python)")
+        return None
+    path = os.path.join(*common.model_location())
+    out = subprocess.run([args.llamacpp_python, "-c", LLAMACPP_SCRIPT, path, str(args.threads),
+                          str(args.max_new_tokens), str(args.repeats), json.dumps(list(request.prompt_token_ids))],
+                         capture_output=True, text=True, check=True, env=common.server_env(args.threads))
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = report["runs"]
+    return {"version": report["version"], "ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1e3,
+            "tpot_ms": statistics.median(r["tpot_s"] for r in runs) * 1e3,
+            "e2e_s": statistics.median(r["e2e_s"] for r in runs), "token_ids": runs[0]["token_ids"]}
+
+
+def weight_rss(quantization: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, quantization], capture_output=True, text=True,
+                         check=True, env=common.server_env(1))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    settings = common.configure_threads(args.threads)
+    tokenizer = common.load_tokenizer()
+    request = common.BenchRequest(common.chat_prompt_ids(tokenizer, args.prompt), args.max_new_tokens)
+    warmup = common.warmup_request(tokenizer)
+    res = {"ours": bench_ours(args, request, warmup, tokenizer), "llama.cpp": bench_llamacpp(args, request)}
+    if not args.skip_hf:
+        records, hf_tokens = latency.bench_hf(argparse.Namespace(dtype="float32", repeats=args.repeats),
+                                              request, warmup, common.pad_id_of(tokenizer))
+        res["hf"] = {**latency.summary(records), "token_ids": hf_tokens}
+    rss = {q: weight_rss(q) for q in ("none", args.quantization)}
+    print(f"\nprompt {len(request.prompt_token_ids)} tokens, {args.max_new_tokens} new tokens, greedy, median of "
+          f"{args.repeats}; threads: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(f"ours: --quantization {args.quantization} -> {res['ours']['quantization']}")
+    print(f"{'system':<10} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s 1 stream':>15}  greedy = ours on first")
+    for name, r in res.items():
+        if r is not None:
+            same = latency.common_prefix_len(r["token_ids"], res["ours"]["token_ids"])
+            print(f"{name:<10} {r['ttft_ms']:>9.1f} {r['tpot_ms']:>9.2f} {1e3 / r['tpot_ms']:>15.1f}  {same}")
+    ours = res["ours"]
+    print(f"ours, {args.streams} streams x {args.stream_tokens} tokens: {ours['streams_tokens_per_s']:.1f} tok/s, "
+          f"TPOT p50 {ours['streams_tpot_p50_ms']:.1f} ms")
+    ratios = {}
+    if "hf" in res:
+        ratios["tpot_ours_over_hf_fp32"] = ours["tpot_ms"] / res["hf"]["tpot_ms"]
+    if res["llama.cpp"] is not None:
+        ratios["tpot_ours_over_llamacpp"] = ours["tpot_ms"] / res["llama.cpp"]["tpot_ms"]
+        llamacpp_tok_s = 1e3 / res["llama.cpp"]["tpot_ms"]
+        ratios["streams_tok_s_over_llamacpp_single"] = ours["streams_tokens_per_s"] / llamacpp_tok_s
+    ratios["weight_rss_over_fp32"] = rss[args.quantization]["rss_bytes"] / rss["none"]["rss_bytes"]
+    print(f"weight RSS: fp32 {rss['none']['rss_bytes'] / 2**20:.0f} MiB, {args.quantization} "
+          f"{rss[args.quantization]['rss_bytes'] / 2**20:.0f} MiB")
+    goals = {"tpot_ours_over_hf_fp32": "<= 0.35", "streams_tok_s_over_llamacpp_single": ">= 2",
+             "weight_rss_over_fp32": "<= 0.40", "tpot_ours_over_llamacpp": "(reported)"}
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3f} (goal {goals[k]})")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"settings": settings, "results": res, "rss": rss, "ratios": ratios}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
