@@ -42,7 +42,7 @@ def delta(before: dict, after: dict, name: str, **labels) -> float:
 
 
 def test_counters_and_histograms_after_a_known_run(server, client, scrape):
-    model = server.app.services.generation.info.name
+    model = server.app.services.generation_name
     shared = "The quick brown fox jumps over the lazy dog. " * 6   # several full KV blocks, sent twice
     runs = [dict(prompt=shared + "One", max_tokens=7), dict(prompt=shared + "Two", max_tokens=3),
             dict(prompt="Count to ten:", max_tokens=5, n=2)]
@@ -86,7 +86,7 @@ def test_counters_and_histograms_after_a_known_run(server, client, scrape):
 
 
 def test_client_cancel_counts_an_abort(server, client, scrape):
-    model = server.app.services.generation.info.name
+    model = server.app.services.generation_name
     before = scrape()
     stream = client.generate("Tell me a long story.", max_tokens=200, ignore_eos=True, temperature=0.0)
     next(iter(stream))
@@ -110,7 +110,7 @@ async def _until_idle(server, timeout_s: float = 30.0) -> None:
 
 
 def test_bench_writes_report_and_plot(server, scrape, tmp_path, capsys):
-    model = server.app.services.generation.info.name
+    model = server.app.services.generation_name
     before = scrape()
     code = client_cli.main(["--target", server.target, "--timeout", "120", "bench", "--num-requests", "4",
                             "--concurrency", "2", "--max-tokens", "4", "--prompt", "Hello", "--prompt", "Bonjour",

@@ -104,8 +104,8 @@ class ServerConfig:
         host: address the gRPC and HTTP ports bind.
         port: gRPC port (0 picks a free port).
         http_port: OpenAI-compatible HTTP API port (same host); 0 turns the HTTP API off.
-        served_model_name: the model name the HTTP API lists at /v1/models and accepts in ``model``; None derives
-            it from the generation model (its directory or file name, or the embedded model's name).
+        served_model_name: the model name the HTTP API lists at /v1/models and accepts in ``model``, also the
+            metrics' model_name label; None: --model as given, or SmolLM2-135M-Instruct for the embedded model.
         api_key: when set (or api_key_file is), every InferenceService call needs ``authorization: Bearer <key>``
             metadata (UNAUTHENTICATED otherwise) and every HTTP ``/v1/*`` request the same header (401); health,
             reflection and HTTP /health stay open.
@@ -137,7 +137,8 @@ class ServerConfig:
             0 means no limit (``grpc.http2.max_ping_strikes``).
         http2_max_pings_without_data: pings the server sends with no data in between; 0 means no limit
             (``grpc.http2.max_pings_without_data``).
-        metrics_host: address the Prometheus endpoint binds.
+        metrics_host: address the Prometheus endpoint binds; None: the same as host. It speaks plaintext HTTP and
+            needs no key (for scrapers); keep it off (no metrics_port) or on a private address when that matters.
         metrics_port: Prometheus text exposition over HTTP at ``/metrics`` on this port; None: off, 0: a free
             port. The HTTP API serves the same registry at ``/metrics`` too.
         log_level: the lowest level logged.
@@ -167,7 +168,7 @@ class ServerConfig:
     http2_min_ping_interval_without_data_ms: int = 1_000
     http2_max_ping_strikes: int = 2
     http2_max_pings_without_data: int = 0
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str | None = None
     metrics_port: int | None = None
     log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
     log_json: bool | None = None

@@ -5,7 +5,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 (vLLM's shapes).
 
 :class:`GateMiddleware`: API keys (``Authorization: Bearer``, :class:`~pagedserve.serving.auth.ApiKeys`) on
-``/v1/*``; 503 for
+``/v1/*``, ``/tokenize`` and ``/detokenize`` (``/health`` and ``/metrics`` stay open); 503 for
 API calls once shutdown has begun; 413 for a body over ``max_request_body_bytes`` (by Content-Length, or counted
 as a chunked body arrives); the count of requests in flight, which shutdown drains.
 """
@@ -45,7 +45,7 @@ class GateMiddleware:
             return await self.app(scope, receive, send)
         path: str = scope["path"]
         is_api = path.startswith(API_PREFIXES)
-        if path.startswith("/v1/") and not self.api_keys.check_authorization(_header(scope, b"authorization")):
+        if is_api and not self.api_keys.check_authorization(_header(scope, b"authorization")):
             return await self._reply(send, 401, "invalid or missing API key (Authorization: Bearer <key>)",
                                      "authentication_error", {"www-authenticate": "Bearer"})
         if is_api and self.services.shutting_down:
@@ -97,22 +97,11 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-def served_names(config: ServerConfig, engine_model: str | None) -> tuple[str, str]:
-    """(generation name, embedding name) the API lists and accepts in ``model``: ``--served-model-name``, else the
-    model as given on the command line (vLLM's rule), else the embedded models' names."""
-    generation = config.served_model_name or engine_model or "SmolLM2-135M-Instruct"
-    if config.embedding_model == "llm":
-        embedding = generation
-    else:
-        embedding = config.embedding_model or "all-MiniLM-L6-v2"
-    return generation, embedding
-
-
-def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, engine_model: str | None,
-              api_keys: ApiKeys) -> tuple[FastAPI, GateMiddleware]:
+def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, api_keys: ApiKeys
+              ) -> tuple[FastAPI, GateMiddleware]:
     """The FastAPI app and its gate (whose ``num_in_flight`` shutdown drains)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(services, *served_names(config, engine_model))
+    serving = OpenAIServing(services)
     app.add_exception_handler(errors.OpenAIError, errors.on_openai_error)
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
     app.add_exception_handler(StarletteHTTPException, errors.on_http_error)

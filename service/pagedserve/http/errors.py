@@ -36,10 +36,9 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
-def error_body(status: int, message: str, type_: str, param: str | None = None, code: str | int | None = None
-               ) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code if code is not None
-                      else status}}
+def error_body(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body; ``code`` is a short string (e.g. "model_not_found") or None, as OpenAI sends it."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code=None,

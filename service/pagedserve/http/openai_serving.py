@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..embedding.interface import EmbedInputs
 from ..engine.llm_engine import CompletionDelta
@@ -35,15 +35,13 @@ class OpenAIServing:
     """The handlers, bound to the services and the names they are served under.
 
     Args:
-        services: the process's services.
-        generation_name: the name ``model`` must carry for chat/completions (None: no check).
-        embedding_name: the name ``model`` must carry for embeddings.
+        services: the process's services; ``model`` must carry their served names (a missing ``model`` takes it).
     """
 
-    def __init__(self, services: Services, generation_name: str | None, embedding_name: str | None):
+    def __init__(self, services: Services):
         self.services = services
-        self.generation_name = generation_name
-        self.embedding_name = embedding_name
+        self.generation_name = services.generation_name
+        self.embedding_name = services.embedding_name
 
     # ---- model names -------------------------------------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -76,7 +74,7 @@ class OpenAIServing:
                              k is not None)
         if body.stream:
             return _sse(stream, shaper, body.stream_options)
-        return JSONResponse(await _collect(stream, shaper, request))
+        return _json_or_gone(await _collect(stream, shaper, request))
 
     async def completions(self, body: CompletionRequest, request: Request):
         cv.check_unsupported(body)
@@ -96,7 +94,7 @@ class OpenAIServing:
         shaper = _CompletionShaper(cv.new_id("cmpl"), model, text, params.n, body.logprobs is not None, echo)
         if body.stream:
             return _sse(stream, shaper, body.stream_options)
-        return JSONResponse(await _collect(stream, shaper, request))
+        return _json_or_gone(await _collect(stream, shaper, request))
 
     # ---- embeddings --------------------------------------------------------------------------------------------
     async def embeddings(self, body: EmbeddingRequest) -> dict:
@@ -312,8 +310,8 @@ class _CompletionShaper:
                 "system_fingerprint": cv.FINGERPRINT, "choices": choices, "usage": self.usage.as_dict()}
 
 
-async def _collect(stream: _Stream, shaper, request: Request) -> dict:
-    """Run the whole request and return the response body; a client that disconnects first cancels it."""
+async def _collect(stream: _Stream, shaper, request: Request) -> dict | None:
+    """Run the whole request and return the response body; a client that disconnects first cancels it (None)."""
     async def consume() -> None:
         async for i, delta in stream.deltas():
             shaper.add(i, delta)
@@ -323,7 +321,7 @@ async def _collect(stream: _Stream, shaper, request: Request) -> dict:
     try:
         done, _ = await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
         if work not in done:
-            raise asyncio.CancelledError("client disconnected")
+            return None  # the client went away: nothing to answer (the finally aborts the requests)
         work.result()  # re-raises what failed
         return shaper.response()
     finally:
@@ -337,6 +335,11 @@ async def _collect(stream: _Stream, shaper, request: Request) -> dict:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _json_or_gone(body: dict | None) -> Response:
+    """The response body, or for a client that left, an empty 499 (nginx's "client closed request"; never sent)."""
+    return Response(status_code=499) if body is None else JSONResponse(body)
 
 
 def _sse(stream: _Stream, shaper, options) -> StreamingResponse:

@@ -37,15 +37,14 @@ class HttpServer:
         config: ``host``, ``http_port``, ``api_key``, ``max_request_body_bytes``, ``served_model_name``.
         services: the process's services (filled in once loaded).
         metrics: the Prometheus registry ``/metrics`` serves.
-        engine_model: ``--model`` as given (the default served name), None for the embedded model.
         api_keys: the accepted keys (shared with the gRPC port); default: from ``config``.
     """
 
     def __init__(self, config: ServerConfig, services: Services, metrics: ServerMetrics,
-                 engine_model: str | None = None, api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None):
         self.config = config
-        app, self.gate = build_app(config, services, metrics, engine_model,
-                                   api_keys or ApiKeys(config.api_key, config.api_key_file))
+        app, self.gate = build_app(config, services, metrics, api_keys or ApiKeys(config.api_key,
+                                                                                   config.api_key_file))
         tls = dict(ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
                    ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE) if config.tls else {}
         self._uvicorn = _Uvicorn(uvicorn.Config(

@@ -20,7 +20,7 @@ from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 from ..config import EngineConfig, ServerConfig
 from ..serving.factory import ServiceFactory
 from ..serving.metrics import ServerMetrics
-from ..serving.services import Services
+from ..serving.services import Services, served_names
 from ..serving.auth import ApiKeys
 from .interceptors import AuthInterceptor, CallTrackingInterceptor, ErrorMappingInterceptor
 from .reflection import enable_reflection
@@ -50,7 +50,7 @@ class App:
         self.server_config = server_config
         self.engine_config = engine_config
         self.factory = factory or ServiceFactory(server_config, engine_config)
-        self.services = Services()
+        self.services = Services(*served_names(server_config, engine_config.model))
         self.metrics = ServerMetrics()
         self.health = health.aio.HealthServicer()
         self.api_keys = ApiKeys(server_config.api_key, server_config.api_key_file)
@@ -66,7 +66,7 @@ class App:
         if server_config.http_port != 0:
             from ..http.server import HttpServer
 
-            self.http = HttpServer(server_config, self.services, self.metrics, engine_config.model, self.api_keys)
+            self.http = HttpServer(server_config, self.services, self.metrics, self.api_keys)
         self.port = 0
         self.http_port: int | None = None
         self.metrics_port: int | None = None
@@ -89,7 +89,7 @@ class App:
         if self.port == 0:
             raise OSError(f"could not bind {cfg.host}:{cfg.port}")
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.start_http(cfg.metrics_host, cfg.metrics_port)
+            self.metrics_port = self.metrics.start_http(cfg.metrics_host or cfg.host, cfg.metrics_port)
         await self.health.set("", SERVING)
         await self.health.set(SERVICE_NAME, NOT_SERVING)
         await self.server.start()
@@ -119,9 +119,10 @@ class App:
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)
         host = self.server_config.host
-        log.info("ready", **fields, grpc=f"{host}:{self.port}",
+        log.info("ready", **fields, served_model_name=self.services.generation_name, grpc=f"{host}:{self.port}",
                  http=f"{host}:{self.http_port}" if self.http_port is not None else None,
-                 metrics_port=self.metrics_port, load_s=round(load_s, 2))
+                 tls=self.server_config.tls, mutual_tls=self.server_config.ssl_ca_certs is not None,
+                 api_keys=self.api_keys.enabled, metrics_port=self.metrics_port, load_s=round(load_s, 2))
 
     def _on_engine_dead(self, exc: BaseException) -> None:
         asyncio.ensure_future(self.health.set(SERVICE_NAME, NOT_SERVING))

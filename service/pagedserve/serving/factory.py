@@ -60,20 +60,20 @@ class ServiceFactory:
         with tqdm(total=len(stages), desc="loading", unit="stage", disable=None, leave=False) as bar:
             if cfg.generation_model:
                 bar.set_postfix_str("generation model")
-                services.generation = await self._generation(metrics, on_engine_dead)
+                services.generation = await self._generation(metrics, on_engine_dead, services.generation_name)
                 bar.update()
             if cfg.embedding_model != "":
                 bar.set_postfix_str("embedding model")
                 services.embedding = await self._embedding(services.generation)
                 bar.update()
 
-    async def _generation(self, metrics: ServerMetrics, on_dead) -> GenerationService:
+    async def _generation(self, metrics: ServerMetrics, on_dead, served_name: str) -> GenerationService:
         engine, info = await in_daemon_thread(self.build_engine, self.engine_config)
         await in_daemon_thread(warm_up, engine)
         front = AsyncEngine(engine, on_dead=on_dead)
         front.start()
-        metrics.bind_engine(engine.stats, info.name)
-        return GenerationService(front, info, metrics)
+        metrics.bind_engine(engine.stats, served_name)
+        return GenerationService(front, info, metrics, served_name)
 
     async def _embedding(self, generation: GenerationService | None) -> EmbeddingService:
         from ..embedding.decoder import LLMEmbedder, build_decoder_engine, decoder_embedding_config

@@ -44,12 +44,13 @@ class GenerationService:
         engine: a started :class:`AsyncEngine`.
         info: what the engine was built with.
         metrics: the server's metrics; request metrics are recorded here.
+        served_name: the metrics' ``model_name`` label (default: ``info.name``).
     """
 
-    def __init__(self, engine: AsyncEngine, info: EngineInfo, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncEngine, info: EngineInfo, metrics: ServerMetrics, served_name: str | None = None):
         self.engine = engine
         self.info = info
-        self._metered = MeteredEngine(engine, metrics, info.name)
+        self._metered = MeteredEngine(engine, metrics, served_name or info.name)
 
     @property
     def tokenizer(self):
@@ -110,13 +111,18 @@ class GenerationService:
             ids = prompt_ids
             params = call.params
             log.info("generate_start", prompt_tokens=len(ids), max_tokens=params.max_tokens, n=params.n)
-            num_tokens = 0
-            async for delta in self._metered.generate(request_id, ids, params, call.priority, call.cache_salt):
-                num_tokens += len(delta.token_ids)
-                if delta.finish_reason is not None:
-                    log.info("completion_finished", index=delta.index, finish_reason=delta.finish_reason,
-                             completion_tokens=num_tokens)
-                yield delta
+            num_tokens, open_completions = 0, params.n
+            try:
+                async for delta in self._metered.generate(request_id, ids, params, call.priority, call.cache_salt):
+                    num_tokens += len(delta.token_ids)
+                    if delta.finish_reason is not None:
+                        open_completions -= 1
+                        log.info("completion_finished", index=delta.index, finish_reason=delta.finish_reason,
+                                 completion_tokens=num_tokens)
+                    yield delta
+            finally:
+                if open_completions > 0:  # the consumer left (cancel, deadline, disconnect) or the request failed
+                    log.info("generate_cancelled", open_completions=open_completions, completion_tokens=num_tokens)
 
     async def tokenize(self, prompt: Prompt) -> tuple[list[int], list[str]]:
         """``(token ids, token strings)`` of a prompt (Tokenize API)."""

@@ -3,15 +3,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import ServerConfig
 from ..embedding import EmbeddingService
 from ..errors import EngineUnavailableError, ModelNotLoadedError
 from .generation import GenerationService
+
+
+EMBEDDED_GENERATION_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
+
+
+def served_names(config: ServerConfig, engine_model: str | None) -> tuple[str, str]:
+    """(generation name, embedding name) the models are served under: what the HTTP API lists and accepts in
+    ``model`` and the metrics' ``model_name`` label. ``--served-model-name``, else ``--model`` as given (vLLM's
+    rule), else the embedded model's name; the embedding model's directory as given, or its embedded name."""
+    generation = config.served_model_name or engine_model or EMBEDDED_GENERATION_NAME
+    embedding = generation if config.embedding_model == "llm" else config.embedding_model or EMBEDDED_EMBEDDING_NAME
+    return generation, embedding
 
 
 @dataclass
 class Services:
     """Filled in by :class:`~pagedserve.serving.factory.ServiceFactory` once the models are loaded."""
 
+    generation_name: str = EMBEDDED_GENERATION_NAME   # see served_names
+    embedding_name: str = EMBEDDED_EMBEDDING_NAME
     generation: GenerationService | None = None
     embedding: EmbeddingService | None = None
     loading: bool = True          # models still loading
