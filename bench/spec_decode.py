@@ -87,8 +87,9 @@ def bench_quoting(args, servers, tokenizer) -> list[dict]:
             raise RuntimeError(f"speculation changed the greedy output of {text[:40]!r}")
         rows.append({"prompt": text[:48], "tokens": len(outputs["plain"]), "tpot_plain_ms": 1e3 * best["plain"],
                      "tpot_spec_ms": 1e3 * best["spec"], "ratio": best["spec"] / best["plain"]})
-        print(f"  {rows[-1]['prompt']!r:52} {rows[-1]['tokens']:4d} tokens  TPOT plain {rows[-1]['tpot_plain_ms']:7.1f} ms"
-              f"  spec {rows[-1]['tpot_spec_ms']:7.1f} ms  ratio {rows[-1]['ratio']:.2f}", flush=True)
+        r = rows[-1]
+        print(f"  {r['prompt']!r:52} {r['tokens']:4d} tokens  TPOT plain {r['tpot_plain_ms']:7.1f} ms"
+              f"  spec {r['tpot_spec_ms']:7.1f} ms  ratio {r['ratio']:.2f}", flush=True)
     return rows
 
 
