@@ -5,8 +5,8 @@
 Both servers start at once (an idle server costs no CPU) and are driven alternately, plain then speculative, so
 drift on a shared machine hits both alike; each figure is the best of --repeats runs.
 
-- quoting, one stream: chat prompts whose answer quotes or rewrites their text (repeat a paragraph, rename a
-  function, fix a typo in a list), greedy, up to --quote-tokens new tokens, EOS honoured. Both servers must
+- quoting, one stream: chat prompts whose answer quotes or rewrites their text (repeat a paragraph, fix its
+  spelling, put it in the past tense), greedy, up to --quote-tokens new tokens, EOS honoured. Both servers must
   produce the same tokens (greedy output is unchanged by speculation); prints TPOT per prompt and the ratio
   speculative / plain (target <= 0.5).
 - mixed, --streams concurrent streams: bench/throughput.py's mixed workload (random-token prompts of 50..800
@@ -29,13 +29,14 @@ import common
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 PARAGRAPH = ("Paged attention stores the key and value cache in fixed-size blocks, so memory is allocated on "
              "demand and shared between requests with a common prefix. A block table maps each sequence's logical "
-             "blocks to physical ones, and the scheduler frees the blocks of finished requests at once.")
+             "blocks to physical ones, and the scheduler frees the blocks of finished requests at once. Continuous "
+             "batching adds new requests to the running batch at every step, so a short request never waits for "
+             "a long one to finish.")
+TYPOS = PARAGRAPH.replace("memory", "memroy").replace("scheduler", "schedular").replace("waits", "wiats")
 QUOTING_PROMPTS = (
     f"Repeat the following text exactly, without changing a word:\n\n{PARAGRAPH}",
-    "Rename the function `f` to `add_numbers` and return the full code:\n\n```python\ndef f(a, b):\n"
-    "    \"\"\"Add two numbers and return the sum.\"\"\"\n    result = a + b\n    print(result)\n"
-    "    return result\n\n\nprint(f(2, 3))\nprint(f(10, 20))\n```",
-    f"Quote the first two sentences of this text, then summarize it in one line:\n\n{PARAGRAPH}",
+    f"Fix the spelling mistakes in this text and return the corrected text: {TYPOS}",
+    f"Rewrite this text in the past tense:\n\n{PARAGRAPH}",
 )
 
 
