@@ -7,6 +7,7 @@ A field's ``metadata["choices"]`` lists its allowed values.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ class EngineConfig:
             the kernels (torch's CPU kernels; on CUDA the weights are dequantized, with a log line).
         quant_group_size: weights per int4 scale/zero along the input dimension when quantizing at load
             (32, 64 or 128); GGUF blocks keep their own (32).
+        speculative_config: speculative decoding as vLLM's JSON, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+            "disable_by_batch_size": 8}`` (prompt lookup drafts verified by the target model; output unchanged in
+            distribution); None: off.
     """
 
     model: str | None = None
@@ -72,6 +77,7 @@ class EngineConfig:
     seed: int | None = None
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     quant_group_size: int = field(default=32, metadata={"choices": (32, 64, 128)})
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
@@ -94,6 +100,74 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(0 <= self.max_logprobs <= 1024, "max_logprobs", "must be in [0, 1024]")
         _check(self.seed is None or 0 <= self.seed < 2 ** 64, "seed", "must be in [0, 2**64)")
+        self.speculative()  # parse and check now: a bad value fails at start-up
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (None when off). Raises ValueError naming the field."""
+        if self.speculative_config is None or not self.speculative_config.strip():
+            return None
+        return SpeculativeConfig.from_json(self.speculative_config)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, vLLM's JSON keys).
+
+    Attributes:
+        method: the proposer; "ngram" (prompt lookup decoding: drafts copied from the request's own context).
+        num_speculative_tokens: drafts proposed per step, in [1, 16].
+        prompt_lookup_max: longest suffix n-gram looked up in the context (>= prompt_lookup_min).
+        prompt_lookup_min: shortest suffix n-gram that may propose drafts (>= 1).
+        disable_by_batch_size: no drafts in a step that starts with this many running requests or more (a large
+            batch is compute-bound: drafts then cost more than they save); None: never step aside.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = 8
+
+    def __post_init__(self) -> None:
+        f = "speculative_config"
+        _check(self.method in SPECULATIVE_METHODS, f, f"method must be one of {SPECULATIVE_METHODS}, "
+               f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f,
+                   f"{name} must be an integer >= 1, got {value!r}")
+        _check(self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, f,
+               f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+        _check(self.prompt_lookup_min <= self.prompt_lookup_max, f,
+               f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+               f"({self.prompt_lookup_max})")
+        d = self.disable_by_batch_size
+        _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1), f,
+               f"disable_by_batch_size must be an integer >= 1 or null, got {d!r}")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse ``--speculative-config``. A missing prompt_lookup_max defaults to max(4, prompt_lookup_min).
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or a value out of range (message names the field).
+        """
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config: not valid JSON: {exc}") from None
+        _check(isinstance(doc, dict), "speculative_config", f"must be a JSON object, got {text!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(doc) - known)
+        _check(not unknown, "speculative_config", f"unknown key(s) {unknown}; known: {sorted(known)}")
+        if "prompt_lookup_max" not in doc and isinstance(doc.get("prompt_lookup_min"), int):
+            doc["prompt_lookup_max"] = max(4, doc["prompt_lookup_min"])
+        return cls(**doc)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,9 +17,11 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache.manager import KVCacheManager
 from .model_runner import ModelRunner, StepResult
 from .request import Request, RequestStatus
-from .sampler import TokenLogprobs, make_generator
+from .sampler import TokenLogprobs, VerifyOutput, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .spec_decode import build_proposer
+from .spec_decode.grammar import draft_bitmasks
 from .structured_output.grammar import GrammarCompiler
 from .structured_output.waiting import GrammarWaitList
 
@@ -96,6 +98,10 @@ class LLMEngine:
         self._forking: list[RequestGroup] = []   # n > 1 groups whose other completions wait for the prompt
         self.grammars = GrammarCompiler(tokenizer, eos_token_ids)  # structured output: compiles off this thread
         self._awaiting_grammar = GrammarWaitList()  # groups not yet scheduled: their grammar is compiling
+        self.speculative = config.speculative()   # speculative decoding settings (None: off)
+        self.proposer = build_proposer(self.speculative) if self.speculative else None
+        self.num_draft_tokens = 0                 # drafts verified since start-up
+        self.num_accepted_tokens = 0              # of those, accepted
         self.num_steps = 0
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
 
@@ -259,6 +265,8 @@ class LLMEngine:
             early = self._admit_compiled()
         if self._forking:  # (also drops aborted n > 1 groups, so has_unfinished() cannot stay true while idle)
             self._release_forks()
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return early
@@ -275,6 +283,31 @@ class LLMEngine:
             self._release_forks()
         return early + deltas if early else deltas
 
+    def _propose(self) -> None:
+        """Speculative decoding: set each running request's drafts for this step (``spec_token_ids``; [] for
+        none). Only decoding requests get drafts, never more than could still be emitted (max_tokens, max_model_len
+        leave room for the target model's own token after them), none at all when the batch has
+        ``disable_by_batch_size`` requests or more. Constrained requests' drafts are cut where the grammar forbids
+        one, and the mask at each draft position is kept for the sampler."""
+        running = self.scheduler.running
+        limit = self.speculative.disable_by_batch_size
+        off = limit is not None and len(running) >= limit
+        todo, room = [], []
+        for req in running:
+            req.spec_token_ids, req.spec_bitmask = [], None
+            if off or req.pooling or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            n = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            if n > 0:
+                todo.append(req)
+                room.append(n)
+        if not todo:
+            return
+        for req, drafts in zip(todo, self.proposer.propose([r.token_ids for r in todo], room)):
+            if drafts and req.grammar is not None:
+                drafts, req.spec_bitmask = draft_bitmasks(req.grammar, drafts)
+            req.spec_token_ids = drafts
+
     def _process(self, result: StepResult) -> list[CompletionDelta]:
         deltas = []
         for req, lps in (result.prompt_logprobs or {}).items():
@@ -288,6 +321,7 @@ class LLMEngine:
                                                                   embedding=result.pooled_hidden[i])))
         if result.output is None:
             return deltas
+        verified = isinstance(result.output, VerifyOutput)
         for i, entry in enumerate(result.sampled):
             req = entry.request
             if req.is_finished:
@@ -295,8 +329,17 @@ class LLMEngine:
             delta = CompletionDelta(req.parent_id, req.index)
             if req.params.prompt_logprobs is not None and req.index == 0 and req.num_output_tokens == 0:
                 delta.prompt_logprobs = self._prompt_lps.pop(req, [])
+            out = result.output
+            tokens, lps = (out.token_ids[i], out.logprobs[i]) if verified else ([out.token_ids[i]], [out.logprobs[i]])
             try:
-                self._append_token(req, result.output.token_ids[i], result.output.logprobs[i], delta)
+                for token, lp in zip(tokens, lps):  # a stop inside an accepted run ends it right there
+                    self._append_token(req, token, lp, delta)
+                    if req.is_finished:
+                        break
+                if entry.draft_token_ids:
+                    self.num_draft_tokens += len(entry.draft_token_ids)
+                    self.num_accepted_tokens += out.num_accepted[i]
+                    self.scheduler.rollback_drafts(req)
             except Exception as exc:  # one request's failure must not take the others down
                 log.exception("request_failed", request_id=req.parent_id)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -309,7 +352,7 @@ class LLMEngine:
         req.append_output_token(token)
         delta.token_ids.append(token)
         if logprobs is not None:
-            delta.logprobs = [logprobs]
+            delta.logprobs = (delta.logprobs or []) + [logprobs]
         params, status = req.params, None
         can_stop = req.num_output_tokens > params.min_tokens  # the sampler masks stops until then
         if can_stop and token in params.stop_token_ids:
@@ -320,7 +363,7 @@ class LLMEngine:
             req.grammar.accept(token)            # the mask allowed it; a completed grammar ends with STOP below
         if status is None or params.include_stop_str_in_output:
             update = self._detok[req].add_tokens([token])
-            delta.text = update.text
+            delta.text += update.text
             if update.stop_str is not None and status is None:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, update.stop_str
         if status is None and req.grammar is not None and req.grammar.is_terminated():
@@ -358,4 +401,6 @@ class LLMEngine:
         return {"num_blocks_total": kv.num_blocks, "num_blocks_free": kv.num_free_blocks, "usage": kv.usage,
                 "prefix_cache_queries_tokens": kv.stats.queries_tokens, "prefix_cache_hits_tokens": kv.stats.hits_tokens,
                 "num_requests_running": len(self.scheduler.running),
-                "num_requests_waiting": self.scheduler.num_waiting, "num_preemptions": self.scheduler.num_preemptions}
+                "num_requests_waiting": self.scheduler.num_waiting, "num_preemptions": self.scheduler.num_preemptions,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens}

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.base import AttentionBackend, AttentionMetadata
-from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, compute_logprobs
+from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, VerifyOutput, compute_logprobs
+from .spec_decode.grammar import MaskRow
 from .request import Request
 from .scheduler import ScheduledRequest, SchedulerOutput
 
@@ -32,10 +33,28 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 PROMPT_LOGPROBS_CHUNK_ROWS = 256  # logits rows materialized at once for prompt logprobs ([rows, vocab] fp32)
 
 
+def verify_rows(entries: list[ScheduledRequest]) -> list[SamplingRow]:
+    """Sampling rows of a verification step: for each entry ``1 + drafts`` rows, row ``j`` seeing the output with
+    the first ``j`` drafts appended (penalties, min_tokens) and the grammar mask at that position."""
+    rows = []
+    for e in entries:
+        req, drafts = e.request, e.draft_token_ids
+        output = req.output_token_ids
+        for j in range(len(drafts) + 1):
+            grammar = req.grammar
+            if grammar is not None and drafts:
+                grammar = MaskRow(req.spec_bitmask[j])
+            rows.append(SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
+                                    output_token_ids=output + drafts[:j] if j else output,
+                                    generator=req.generator, eos_token_ids=req.eos_token_ids, grammar=grammar))
+    return rows
+
+
 @dataclass(slots=True)
 class StepResult:
     sampled: list[ScheduledRequest]      # the scheduled entries that sampled, in the order of `output`'s rows
-    output: SamplerOutput | None         # None when no row sampled (all prefill chunks)
+    output: SamplerOutput | VerifyOutput | None  # None when no row sampled (all prefill chunks); VerifyOutput
+                                         # (one entry per sampled request) when some request had drafts
     prompt_logprobs: dict[Request, list[TokenLogprobs]] | None = None  # request -> this step's prompt positions
     pooled: list[ScheduledRequest] = field(default_factory=list)  # pooling requests whose prompt ended this step
     pooled_hidden: torch.Tensor | None = None  # [len(pooled), hidden] float32 CPU: their last tokens' final states
@@ -77,7 +96,8 @@ class ModelRunner:
         for i, e in enumerate(entries):
             req, start = e.request, e.request.num_computed_tokens
             end = start + e.num_new_tokens
-            input_ids.extend(req.token_ids[start:end])
+            input_ids.extend((req.token_ids[start:] + e.draft_token_ids)[:e.num_new_tokens] if e.draft_token_ids
+                             else req.token_ids[start:end])
             positions.extend(range(start, end))
             block_ids = [b.block_id for b in req.blocks]
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
@@ -116,13 +136,20 @@ class ModelRunner:
             pos += e.num_new_tokens
             if e.samples:
                 (pooled if e.request.pooling else sampled).append(e)
-                (pooled_rows if e.request.pooling else sample_rows).append(pos - 1)
+                if e.request.pooling:
+                    pooled_rows.append(pos - 1)
+                else:  # with drafts: the last known token's row and each draft's row
+                    sample_rows.extend(range(pos - 1 - len(e.draft_token_ids), pos))
         pooled_hidden = None
         if pooled:  # last-token pooling over the final (normed) hidden states: HF's last_hidden_state[:, -1]
             pooled_hidden = hidden[torch.tensor(pooled_rows, device=hidden.device)].float().cpu()
         if not sampled:
             return StepResult([], None, prompt_lps, pooled, pooled_hidden)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+        if any(e.draft_token_ids for e in sampled):
+            return StepResult(sampled, self.sampler.verify(logits, verify_rows(sampled),
+                                                           [e.draft_token_ids for e in sampled]),
+                              prompt_lps, pooled, pooled_hidden)
         rows = [SamplingRow(params=e.request.params, prompt_token_ids=e.request.prompt_token_ids,
                             output_token_ids=e.request.output_token_ids, generator=e.request.generator,
                             eos_token_ids=e.request.eos_token_ids, grammar=e.request.grammar) for e in sampled]

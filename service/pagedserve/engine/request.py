@@ -61,6 +61,10 @@ class Request:
     pooling: bool = False                   # an embedding request: the prompt's last hidden state is the output
     grammar: "GrammarMatcher | None" = None  # structured output: its matcher, in step with the output tokens (kept
                                             # across preemption, which keeps the tokens); set once compiled
+    spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts proposed for the next
+                                            # step (not part of token_ids until verified); cleared by the scheduler
+    spec_bitmask: "torch.Tensor | None" = None  # structured output with drafts: [1 + drafts, W] int32 CPU, the
+                                            # grammar's next-token bitmask at each draft position
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -72,6 +72,15 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]      # set for rows whose params.logprobs is not None
 
 
+@dataclass
+class VerifyOutput:
+    """A verification step's result (:meth:`Sampler.verify`), one entry per request."""
+
+    token_ids: list[list[int]]                  # emitted tokens: the accepted drafts, then the target's own token
+    logprobs: list[list[TokenLogprobs | None]]  # one per emitted token (None entries when not asked for)
+    num_accepted: list[int]                     # drafts accepted (len(token_ids[i]) - 1)
+
+
 def make_generator(seed: int) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded with ``seed`` (0 <= seed < 2**64), for one seeded completion."""
     generator = torch.Generator(device="cpu")
@@ -119,11 +128,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         raw = logits.float()
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        masked = apply_grammars(raw, rows, constrained) if constrained else raw
-        processed = apply_logits_processors(masked, rows)
-        if constrained and processed is not masked:
-            _keep_some_allowed(processed, masked, constrained)
+        processed, constrained = _process(raw, rows)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             token_ids = processed.argmax(dim=-1)
@@ -141,25 +146,86 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], strict: bool = False) -> torch.Tensor:
         """Temperature, top-k / top-p / min-p, exponential race; ``logits`` ``[n, V]`` (a copy, changed here).
         ``strict``: tokens at ``-inf`` can never win, not even when every finite token's noise is infinite."""
-        device = logits.device
-        temperature = torch.tensor([r.params.temperature for r in rows], device=device)
-        logits.div_(temperature.unsqueeze(1))
-        top_k = top_p = min_p = None
-        if any(r.params.top_k for r in rows):
-            top_k = torch.tensor([r.params.top_k for r in rows], device=device)
-        if any(r.params.top_p < 1.0 for r in rows):
-            top_p = torch.tensor([r.params.top_p for r in rows], device=device)
-        if any(r.params.min_p > 0.0 for r in rows):
-            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-        probs = logits.softmax(dim=-1)
-        drop = filter_mask(logits, probs, top_k, top_p, min_p)
-        # Race over the full-vocabulary probs: renormalizing after filtering would not change the argmax.
-        scores = probs.div_(self._exponential_noise(rows, probs.shape[1], device))
-        if drop is not None:
-            scores.masked_fill_(drop, -1.0)
-        if strict:  # a masked token's score is 0, which an allowed token scores too when its noise is +inf
-            scores.masked_fill_(logits.isneginf(), -2.0)
-        return scores.argmax(dim=-1)
+        probs, drop = _distribution(logits, rows)
+        noise = self._exponential_noise(rows, probs.shape[1], logits.device)
+        return _race(probs, drop, logits.isneginf() if strict else None, noise)
+
+    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]) -> VerifyOutput:
+        """Speculative decoding's verification: per request, the drafts the target model accepts plus one token.
+
+        Rejection sampling with the draft as a point mass (Leviathan et al. 2023, Chen et al. 2023: with a draft
+        distribution ``q = delta_t``, draft ``t`` is accepted with probability ``min(1, p(t) / q(t)) = p(t)``, and a
+        rejection resamples from ``norm(max(0, p - q))``, which is ``p`` with ``t`` removed, renormalized), realized
+        by coupling: at each position the token a plain step would pick, ``x = argmax(p / q)`` with fresh
+        exponential noise (or the argmax, greedy), is computed; the draft is accepted iff ``x == t``, which happens
+        with probability ``p(t)``, and on a rejection ``x`` is the resample, distributed as ``p`` without ``t``. So
+        every emitted token has exactly the target distribution given the tokens before it; greedy output equals a
+        plain step's; and a seeded request draws the same ``V`` uniforms per emitted token from its generator as
+        plain steps do, so its tokens are the same with and without speculation. ``p`` is the distribution a plain
+        step samples from (structured-output mask, logit_bias, min_tokens, penalties, temperature, top-k/p, min-p),
+        computed at each position from the output with the earlier drafts appended.
+
+        Args:
+            logits: ``[R, V]`` (fp32; other float dtypes converted): for each request ``1 + len(drafts[i])``
+                consecutive rows, row ``j`` predicting the token after draft ``j`` (row 0: after the known tokens).
+            rows: ``R`` rows: each request's :class:`SamplingRow` per position, ``output_token_ids`` extended by the
+                drafts before that position and ``grammar`` the mask at that position.
+            drafts: the draft token ids of each request.
+
+        Returns:
+            :class:`VerifyOutput`: per request the emitted tokens (the accepted drafts, then the target model's
+            token) and their raw logprobs where asked for.
+
+        Raises:
+            ValueError: the row count is not ``sum(1 + len(d))``.
+        """
+        num_rows = sum(1 + len(d) for d in drafts)
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or len(rows) != num_rows:
+            raise ValueError(f"logits {tuple(logits.shape)} / {len(rows)} rows do not match {num_rows} positions")
+        raw = logits.float()
+        device, vocab_size = raw.device, raw.shape[1]
+        processed, constrained = _process(raw, rows)
+        choice = processed.argmax(dim=-1)                 # the greedy rows' tokens; others overwritten below
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        probs = drop = neg = None
+        if rand:
+            rand_idx = torch.tensor(rand, device=device)
+            logits_rand = processed[rand_idx]
+            probs, drop = _distribution(logits_rand, [rows[i] for i in rand])
+            neg = logits_rand.isneginf() if constrained else None
+            unseeded = [k for k, i in enumerate(rand) if rows[i].generator is None]
+            if unseeded:  # rows whose noise comes from the shared generator: all drawn at once
+                u_idx = torch.tensor(unseeded, device=device)
+                noise = self._exponential_noise([rows[rand[k]] for k in unseeded], vocab_size, device)
+                choice[rand_idx[u_idx]] = _race(probs[u_idx], None if drop is None else drop[u_idx],
+                                                None if neg is None else neg[u_idx], noise)
+        chosen = choice.tolist()
+        where = {i: k for k, i in enumerate(rand)}
+        tokens, emitted_rows, start = [], [], 0
+        for d in drafts:
+            out = []
+            for j in range(len(d) + 1):
+                i = start + j
+                row = rows[i]
+                if row.generator is not None and not row.params.greedy:  # seeded: drawn only when reached
+                    k = where[i]
+                    u = torch.rand(vocab_size, generator=row.generator).to(device)
+                    noise = u.log_().neg_().clamp_min_(_TINY).unsqueeze(0)
+                    chosen[i] = int(_race(probs[k:k + 1], None if drop is None else drop[k:k + 1],
+                                          None if neg is None else neg[k:k + 1], noise)[0])
+                out.append(chosen[i])
+                emitted_rows.append(i)
+                if j == len(d) or chosen[i] != d[j]:
+                    break
+            tokens.append(out)
+            start += len(d) + 1
+        lps = _row_logprobs(raw[emitted_rows], torch.tensor([chosen[i] for i in emitted_rows], device=device),
+                            [rows[i] for i in emitted_rows])
+        logprobs, pos = [], 0
+        for out in tokens:
+            logprobs.append(lps[pos:pos + len(out)])
+            pos += len(out)
+        return VerifyOutput(tokens, logprobs, [len(out) - 1 for out in tokens])
 
     def _exponential_noise(self, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
         """``[n, V]`` i.i.d. Exp(1): seeded rows from their own generator, the others from the shared one."""
@@ -179,6 +245,47 @@ class Sampler:
             generator = self._generators[device] = torch.Generator(device=device)
             generator.seed() if self._seed is None else generator.manual_seed(self._seed)
         return self._generators[device]
+
+
+def _process(raw: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[int]]:
+    """Steps 0 and 2-5 on ``raw`` ``[B, V]`` fp32 (not modified): ``(processed logits, constrained row indices)``."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    masked = apply_grammars(raw, rows, constrained) if constrained else raw
+    processed = apply_logits_processors(masked, rows)
+    if constrained and processed is not masked:
+        _keep_some_allowed(processed, masked, constrained)
+    return processed, constrained
+
+
+def _distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 7-8 for sampled rows: ``logits`` ``[n, V]`` (a copy: divided by the temperature in place) ->
+    ``(probs [n, V], drop [n, V] bool or None)``, the full softmax and what top-k / top-p / min-p drop."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
+    logits.div_(temperature.unsqueeze(1))
+    top_k = top_p = min_p = None
+    if any(r.params.top_k for r in rows):
+        top_k = torch.tensor([r.params.top_k for r in rows], device=device)
+    if any(r.params.top_p < 1.0 for r in rows):
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    if any(r.params.min_p > 0.0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    probs = logits.softmax(dim=-1)
+    return probs, filter_mask(logits, probs, top_k, top_p, min_p)
+
+
+def _race(probs: torch.Tensor, drop: torch.Tensor | None, neg: torch.Tensor | None,
+          noise: torch.Tensor) -> torch.Tensor:
+    """Step 9: ``argmax(probs / noise)`` over the tokens not in ``drop``; ``neg`` (``[n, V]`` bool, or None): tokens
+    masked to ``-inf`` that must never win, not even when every finite token's noise is infinite. All ``[n, V]``;
+    returns ``[n]`` int64. Racing over the full-vocabulary probs: renormalizing after filtering would not change
+    the argmax."""
+    scores = probs / noise
+    if drop is not None:
+        scores.masked_fill_(drop, -1.0)
+    if neg is not None:  # a masked token's score is 0, which an allowed token scores too when its noise is +inf
+        scores.masked_fill_(neg, -2.0)
+    return scores.argmax(dim=-1)
 
 
 def filter_mask(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor | None,

@@ -21,6 +21,8 @@ class ScheduledRequest:
     request: Request            # the request
     num_new_tokens: int         # tokens computed for it this step
     samples: bool               # True when this step reaches the end of its known tokens (a new token is sampled)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative drafts computed after the known tokens
+                                # (counted in num_new_tokens; the step verifies them)
 
 
 @dataclass(slots=True)
@@ -90,6 +92,13 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_token_threshold)
             if n <= 0:
                 i += 1
+                req.spec_token_ids = []
+                continue
+            drafts = self._schedule_drafts(req, n, budget)
+            if drafts:
+                out.scheduled.append(ScheduledRequest(req, n + len(drafts), True, drafts))
+                budget -= n + len(drafts)
+                i += 1
                 continue
             while not self.kv_cache.allocate_slots(req, n):
                 victim = self.running.pop()            # the last admitted request
@@ -106,6 +115,18 @@ class Scheduler:
             budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _schedule_drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Speculative drafts for a decoding request: as many of ``req.spec_token_ids`` as fit in the budget after
+        its ``n`` known tokens, with KV slots allocated for them (drafts never cause a preemption: without free
+        blocks the request decodes plainly). Returns the scheduled drafts ([] for none); clears the proposal."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or n != req.num_tokens - req.num_computed_tokens:
+            return []
+        drafts = drafts[:max(0, budget - n)]
+        if not drafts or not self.kv_cache.allocate_slots(req, n + len(drafts)):
+            return []
+        return drafts
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -126,6 +147,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -135,9 +157,19 @@ class Scheduler:
         self._push_front(req)
 
     def update(self, out: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` after the step's forward ran (before new tokens are appended)."""
+        """Advance ``num_computed_tokens`` after the step's forward ran (before new tokens are appended). With
+        drafts this counts them too; :meth:`rollback_drafts` takes the rejected ones back."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+
+    def rollback_drafts(self, request: Request) -> None:
+        """After a verified step (its tokens appended): forget the KV of rejected drafts. ``num_computed_tokens``
+        drops to ``num_tokens - 1`` (the last token, verified or resampled, is computed next step) and blocks past
+        what ``num_tokens`` needs go back to the pool (they were never hashed: only known tokens are)."""
+        if request.is_finished:
+            return
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv_cache.trim(request, request.num_tokens)
 
     # ---- removal -----------------------------------------------------------------------------------------------
     def finish(self, request: Request, status: RequestStatus) -> None:

@@ -90,7 +90,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 vocab_size=info.vocab_size, block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
                 kv_block_bytes=info.kv_block_bytes, attention_backend=info.attention_backend, device=info.device,
                 prefix_caching=info.prefix_caching, quantization=info.quantization))
-            resp.kv_cache.CopyFrom(pb.KVCacheStats(**generation.kv_cache_stats()))
+            fields = pb.KVCacheStats.DESCRIPTOR.fields_by_name  # (the engine's stats hold more, e.g. spec decode)
+            resp.kv_cache.CopyFrom(pb.KVCacheStats(**{k: v for k, v in generation.kv_cache_stats().items()
+                                                      if k in fields}))
         if embedding is not None:
             emb = embedding.info
             resp.embedding.CopyFrom(pb.EmbeddingModelInfo(

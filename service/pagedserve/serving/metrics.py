@@ -5,7 +5,7 @@ the gRPC server metrics use the names of go-grpc-prometheus / py-grpc-prometheus
 ...), so existing dashboards apply. Everything lives in the server's own :class:`CollectorRegistry` (two servers in
 one process do not collide) and is served as Prometheus text over HTTP by :meth:`ServerMetrics.start_http`.
 
-Engine gauges and the engine's cumulative counters (prefix cache, preemptions) are read from
+Engine gauges and the engine's cumulative counters (prefix cache, preemptions, speculative drafts) are read from
 ``LLMEngine.stats()`` at scrape time; request metrics are recorded by :mod:`pagedserve.serving.request_metrics`.
 """
 from __future__ import annotations
@@ -53,7 +53,11 @@ class _EngineCollector:
                     ("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                      stats["prefix_cache_hits_tokens"]),
                     ("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
-                     stats["num_preemptions"])]
+                     stats["num_preemptions"]),
+                    ("spec_decode_num_draft_tokens", "Speculative draft tokens verified by the target model.",
+                     stats.get("spec_decode_num_draft_tokens", 0)),
+                    ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+                     stats.get("spec_decode_num_accepted_tokens", 0))]
         for name, doc, value in counters:
             family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             family.add_metric([model], float(value))

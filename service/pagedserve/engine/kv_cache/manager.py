@@ -139,6 +139,14 @@ class KVCacheManager:
             self.pool.cache_block(request.blocks[i], request.block_hashes[i], parent, tokens)
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Hand back the blocks past the first ``blocks_needed(num_tokens)`` (speculative drafts' slots that were
+        rejected). Such tail blocks hold no cached hash: only blocks full of known tokens are registered."""
+        keep = max(self.blocks_needed(num_tokens), request.num_registered_blocks)
+        if len(request.blocks) > keep:
+            self.pool.free(list(reversed(request.blocks[keep:])))
+            del request.blocks[keep:]
+
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (shared prefixes are evicted last)."""
         self.pool.free(list(reversed(request.blocks)))
