@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from pagedserve.config import ServerConfig
+from pagedserve.config import EngineConfig, ServerConfig
 from pagedserve.server.app import create_server
 from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 
@@ -41,7 +41,7 @@ async def _idle_stream(port: int, idle_s: float) -> tuple[grpc.StatusCode, float
 
 
 async def _run(config: ServerConfig, idle_s: float) -> tuple[grpc.StatusCode, float, str]:
-    app, port = await create_server(config, None)
+    app, port = await create_server(config, EngineConfig())
     await app.load_models()
     try:
         return await _idle_stream(port, idle_s)
@@ -51,8 +51,8 @@ async def _run(config: ServerConfig, idle_s: float) -> tuple[grpc.StatusCode, fl
 
 @pytest.mark.slow
 def test_aggressive_keepalive_pings_keep_an_idle_stream_open():
-    ours = ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model="")
-    strict = ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model="",
+    ours = ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model="", generation_model=False)
+    strict = ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model="", generation_model=False,
                           http2_min_ping_interval_without_data_ms=GRPC_DEFAULT_POLICY_MS)
 
     async def both():

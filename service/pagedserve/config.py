@@ -275,8 +275,6 @@ class ServerConfig:
             a, b = getattr(self, name), getattr(self, other)
             _check(not a or a != b, name, f"must differ from {other}")
         _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
-        _check(self.generation_model or self.embedding_model != "", "generation_model",
-               "serving neither a generation nor an embedding model")
 
     @property
     def tls(self) -> bool:
