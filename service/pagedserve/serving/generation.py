@@ -18,6 +18,7 @@ from ..engine.builder import EngineInfo
 from ..engine.llm_engine import CompletionDelta
 from ..engine.sampling_params import SamplingParams
 from ..errors import InvalidInputError
+from ..text_bounds import check_text_can_fit
 from .metrics import ServerMetrics
 from . import limits
 from .prompts import ChatPrompt, Prompt, TextPrompt, render_prompt
@@ -87,10 +88,10 @@ class GenerationService:
         if call.params.truncate_prompt_tokens is None:
             room = self.info.max_model_len - 1
             if isinstance(prompt, TextPrompt):
-                limits.check_text_can_fit(len(prompt.text.encode("utf-8")), room, self.tokenizer, prompt.field)
+                check_text_can_fit(len(prompt.text.encode("utf-8")), room, self.tokenizer, prompt.field)
             elif isinstance(prompt, ChatPrompt):
                 size = sum(len(str(m.get("content") or "").encode("utf-8")) for m in prompt.messages)
-                limits.check_text_can_fit(size, room, self.tokenizer, prompt.field)
+                check_text_can_fit(size, room, self.tokenizer, prompt.field)
         return await self.render(prompt)
 
     async def generate(self, call: GenerateCall, prompt_ids: list[int] | None = None

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from ..errors import InvalidInputError
-from ..text_bounds import check_text_can_fit  # noqa: F401  (re-exported: the serving layer's length check)
 
 MAX_ID_CHARS = 256            # request_id, cache_salt
 MAX_CHAT_MESSAGES = 4096      # messages in one chat prompt
