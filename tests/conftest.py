@@ -85,7 +85,8 @@ def make_engine(llm_parts):
 @pytest.fixture(scope="session")
 def llm_int4(smollm_source, llm_parts):
     """The embedded GGUF loaded with ``quantization="auto"``: Q4_1 linears as int4, the Q8_0 embedding as stored,
-    the tied LM head int8 per channel (CPU, fp32 activations around the kernels)."""
+    the tied LM head Q8_0 as stored (pagedserve's CPU kernels; int8 per channel on torch's), CPU, fp32
+    activations around the kernels."""
     import torch
 
     from pagedserve.models.registry import build_model

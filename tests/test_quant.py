@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from pagedserve.kernels.cpu_build import cpu_linear_ops
+from pagedserve.models.cpu_linear import StreamingInt4Linear, StreamingInt8Linear
 from pagedserve.models.quant import (Int4Linear, Int4Weight, Int8BlockWeight, Int8Linear, quantize_int4,
                                      quantize_int8_per_channel)
 
@@ -104,7 +106,8 @@ def test_q8_embedding_rows_exact(llm_int4, llm_parts):
     """The Q8_0 embedding kept as stored gives exactly the dequantized fp32 model's rows."""
     ids = torch.tensor([0, 1, 17, 1000, 49151])
     assert isinstance(llm_int4.embed_tokens.weight_blocks(), Int8BlockWeight)
-    assert all(isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.source == "Q4_1"
+    int4_layers = (Int4Linear, StreamingInt4Linear)
+    assert all(isinstance(layer.self_attn.qkv_proj, int4_layers) and layer.self_attn.qkv_proj.source == "Q4_1"
                for layer in llm_int4.layers)
     assert torch.equal(llm_int4.embed_tokens(ids), llm_parts[0].embed_tokens(ids))
 
@@ -226,8 +229,9 @@ def tiny_qwen2_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int8", 32)])
-def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group):
+def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels):
     """An HF checkpoint: auto stays unquantized; int4 (group 32/64) and int8 build quantized linears (fused QKV
     with its bias, gate/up) and an int8 LM head, and the logits stay close to the fp32 model's."""
     from pagedserve.models.loader import ModelSource
@@ -237,8 +241,12 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group):
     cfg = src.load_config()
     ref_model = build_model(src, cfg, torch.float32, "cpu", quantization="auto")
     assert ref_model.quantization == "none"
-    model = build_model(src, cfg, torch.float32, "cpu", quantization=scheme, quant_group_size=group)
-    linear = Int4Linear if scheme == "int4" else Int8Linear
+    model = build_model(src, cfg, torch.float32, "cpu", quantization=scheme, quant_group_size=group,
+                        linear_kernels=kernels)
+    own = model.linear_kernels == "pagedserve-cpu"
+    assert own == (kernels == "auto" and cpu_linear_ops() is not None)
+    linear = {(True, "int4"): StreamingInt4Linear, (True, "int8"): StreamingInt8Linear,
+              (False, "int4"): Int4Linear, (False, "int8"): Int8Linear}[own, scheme]
     assert isinstance(model.layers[0].self_attn.qkv_proj, linear)
     assert model.layers[0].self_attn.qkv_proj.bias is not None
     assert isinstance(model.layers[1].mlp.gate_up_proj, linear)

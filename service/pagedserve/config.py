@@ -50,9 +50,12 @@ class EngineConfig:
             "int8" (per output channel), "int4" (per group of ``quant_group_size``; GGUF Q4_0/Q4_1 blocks as
             stored) or "auto" (a GGUF file keeps its own scheme where a kernel exists: Q4_0/Q4_1 as int4, Q8_0 as
             int8, others dequantized; an HF checkpoint stays unquantized). Activations stay in ``dtype`` around
-            the kernels (torch's CPU kernels; on CUDA the weights are dequantized, with a log line).
+            the kernels (see ``linear_kernels``; on CUDA the weights are dequantized, with a log line).
         quant_group_size: weights per int4 scale/zero along the input dimension when quantizing at load
             (32, 64 or 128); GGUF blocks keep their own (32).
+        linear_kernels: what runs the linears on CPU: "auto" (pagedserve's AVX2 kernels for float32, int4 and
+            int8 weights, compiled with the system C++ compiler at first start and cached; torch's where the CPU
+            lacks AVX2/FMA or no compiler is found, with a log line) or "torch" (torch's own kernels).
         speculative_config: speculative decoding as vLLM's JSON, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
             "disable_by_batch_size": 8}`` (prompt lookup drafts verified by the target model; output unchanged in
@@ -77,12 +80,15 @@ class EngineConfig:
     seed: int | None = None
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     quant_group_size: int = field(default=32, metadata={"choices": (32, 64, 128)})
+    linear_kernels: str = field(default="auto", metadata={"choices": ("auto", "torch")})
     speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
                f"unknown scheme {self.quantization!r}; one of auto, none, int8, int4")
         _check(self.quant_group_size in (32, 64, 128), "quant_group_size", "must be 32, 64 or 128")
+        _check(self.linear_kernels in ("auto", "torch"), "linear_kernels",
+               f"unknown choice {self.linear_kernels!r}; one of auto, torch")
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
         _check(self.attention_backend in ("auto", "cuda", "torch"), "attention_backend",
                f"unknown backend {self.attention_backend!r}")

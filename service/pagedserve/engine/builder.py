@@ -133,7 +133,8 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
     hf_config = hf_config or (model.config if model is not None else source.load_config())
     tokenizer = tokenizer or source.load_tokenizer()
     if model is None:
-        model = build_model(source, hf_config, dtype, device, config.quantization, config.quant_group_size)
+        model = build_model(source, hf_config, dtype, device, config.quantization, config.quant_group_size,
+                            config.linear_kernels)
     backend = backend or select_backend(config.attention_backend, device)
     block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
     num_blocks = config.num_kv_blocks or max(1, kv_cache_bytes(config, model, backend, device) // block_bytes)

@@ -27,6 +27,7 @@ import structlog
 import torch
 from torch import nn
 
+from .cpu_linear import StreamingInt4Linear, StreamingInt8Linear
 from .quant import (Int4Linear, Int4Weight, Int8BlockWeight, Int8Linear, Q8Embedding, RescoredLMHead,
                     quantize_int4, quantize_int8_per_channel)
 
@@ -58,6 +59,7 @@ class QuantPlan:
     scheme: str                 # "int8", "int4" or "gguf" (see resolve_scheme)
     group_size: int             # int4 group size for weights quantized at load
     dtype: torch.dtype          # the compute dtype (dense fallbacks and embeddings)
+    cpu_kernels: bool = False   # build the layers of .cpu_linear (pagedserve's CPU kernels) instead of torch's
     counts: Counter = field(default_factory=Counter)
 
     def summary(self) -> str:
@@ -110,28 +112,43 @@ def _dense(w) -> torch.Tensor:
     return w if isinstance(w, torch.Tensor) else w.dequantize()
 
 
+def _int4_layer(w: Int4Weight, bias, plan: QuantPlan) -> nn.Module | None:
+    if plan.cpu_kernels and w.group_size % 32 == 0 and w.codes.shape[1] % w.group_size == 0:
+        return StreamingInt4Linear(w, bias)
+    if w.codes.shape[0] % 16 == 0 and not plan.cpu_kernels:
+        return Int4Linear(w, bias)
+    return None
+
+
 def build_linear(pieces: list, bias: torch.Tensor | None, plan: QuantPlan, lm_head: bool) -> nn.Module:
     """The layer for a linear whose weight is the concatenation (along N) of ``pieces``."""
+    kind = "lm_head" if lm_head else "linear"
     int4 = all(isinstance(p, Int4Weight) for p in pieces) and len({p.group_size for p in pieces}) == 1
     if int4 and plan.scheme in ("gguf", "int4"):
         w = Int4Weight.cat(pieces)
-        if w.codes.shape[0] % 16 == 0:
-            plan.counts[f"{'lm_head' if lm_head else 'linear'} int4-g{w.group_size} ({w.source} as stored)"] += 1
-            return Int4Linear(w, bias)
-    dense = torch.cat([_dense(p) for p in pieces])
+        if (layer := _int4_layer(w, bias, plan)) is not None:
+            plan.counts[f"{kind} int4-g{w.group_size} ({w.source} as stored)"] += 1
+            return layer
     all_q8 = all(isinstance(p, Int8BlockWeight) for p in pieces)
-    if plan.scheme == "int4" and not lm_head and dense.shape[0] % 16 == 0 and dense.shape[1] % plan.group_size == 0:
+    if all_q8 and plan.cpu_kernels and plan.scheme in ("gguf", "int8"):
+        plan.counts[f"{kind} Q8_0 (as stored)"] += 1
+        return StreamingInt8Linear(Int8BlockWeight(torch.cat([p.codes for p in pieces]),
+                                                   torch.cat([p.scales for p in pieces])), bias, source="Q8_0")
+    dense = torch.cat([_dense(p) for p in pieces])
+    if plan.scheme == "int4" and not lm_head and dense.shape[1] % plan.group_size == 0 and \
+            (layer := _int4_layer(quantize_int4(dense, plan.group_size), bias, plan)) is not None:
         plan.counts[f"linear int4-g{plan.group_size} (quantized at load)"] += 1
-        return Int4Linear(quantize_int4(dense, plan.group_size), bias)
+        return layer
     if plan.scheme in ("int4", "int8") or lm_head or all_q8:
         how = "requantized from Q8_0" if all_q8 else "quantized at load"
         q8 = quantize_int8_per_channel(dense)
+        int8_layer = StreamingInt8Linear if plan.cpu_kernels else Int8Linear
         if lm_head:
-            head = RescoredLMHead(Int8Linear(q8, bias, source=how), pieces[0] if all_q8 else q8)
+            head = RescoredLMHead(int8_layer(q8, bias, source=how), pieces[0] if all_q8 else q8)
             plan.counts[f"lm_head int8 per channel ({how}; top-{head.top_k} logits exact)"] += 1
             return head
         plan.counts[f"linear int8 per channel ({how})"] += 1
-        return Int8Linear(q8, bias, source=how)
+        return int8_layer(q8, bias, source=how)
     plan.counts[f"linear dense {str(plan.dtype).removeprefix('torch.')} (dequantized)"] += 1
     layer = nn.Linear(dense.shape[1], dense.shape[0], bias=bias is not None, dtype=plan.dtype)
     layer.weight.data.copy_(dense)

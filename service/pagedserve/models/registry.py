@@ -23,24 +23,29 @@ def architecture_of(config) -> str:
 
 
 def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device | str,
-                quantization: str = "none", quant_group_size: int = 32) -> torch.nn.Module:
+                quantization: str = "none", quant_group_size: int = 32,
+                linear_kernels: str = "auto") -> torch.nn.Module:
     """Instantiate the registered class for ``config`` and load its weights.
 
     quantization: "none" (every weight in ``dtype``), "int8", "int4" or "auto" (a GGUF file keeps its own scheme
     where a kernel exists; an HF checkpoint stays unquantized); see :mod:`.quant_load`. quant_group_size: the int4
     group size for weights quantized at load. The model's ``quantization`` attribute then says what was built.
+    linear_kernels: "auto" runs the linears (quantized or float32) on pagedserve's CPU kernels where they load
+    (:mod:`.cpu_linear`), "torch" on torch's; the model's ``linear_kernels`` attribute says which ran.
 
     Raises:
         ValueError: for an architecture not in :data:`MODEL_REGISTRY`, a checkpoint that does not fit it, or an
             unknown ``quantization``.
     """
+    from .cpu_linear import cpu_kernels_enabled, use_cpu_kernels
     from .quant_load import QuantPlan, prepare_model, resolve_scheme
 
     arch = architecture_of(config)
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
     scheme = resolve_scheme(quantization, source.gguf_file is not None, torch.device(device))
-    plan = None if scheme == "none" else QuantPlan(scheme, quant_group_size, dtype)
+    own_kernels = cpu_kernels_enabled(linear_kernels, torch.device(device))
+    plan = None if scheme == "none" else QuantPlan(scheme, quant_group_size, dtype, cpu_kernels=own_kernels)
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch](config)
         if plan is not None:
@@ -54,6 +59,11 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     model.load_weights(weights, plan)
     model = model.to(device).eval()
     model.requires_grad_(False)
+    model.linear_kernels = "torch"
+    if own_kernels:
+        use_cpu_kernels(model)
+        model.linear_kernels = "pagedserve-cpu"
+
     release_freed_heap()
     return model
 

@@ -1,0 +1,312 @@
+// Weight-streaming linears for x86-64 CPUs with AVX2 + FMA: y[M, N] = x[M, K] . W[N, K]^T (+ bias), float32
+// activations and accumulation, W stored as float32, as 4-bit codes with a scale and a min per group, or as int8
+// codes with a scale per group.
+//
+// Why: at decode (M = 1..64 tokens) a linear is bound by how fast its weights stream from memory; torch's fp32 GEMM
+// reaches about a third of this machine's read bandwidth there, and its int4/int8 CPU kernels are vectorized only for
+// bfloat16 activations on AVX2. These kernels read each weight row once per block of up to kTokenBlock tokens, decode
+// it (quantized formats) into a per-thread float32 buffer that stays in L1, and multiply it against the tokens with a
+// register tile of kRows rows x up to 4 tokens (12 accumulators: FMA-bound, not load-bound, at M >= 4).
+//
+// Formats (row-major, one row per output channel n):
+//   f32: W float32 [N, K].
+//   q4:  codes uint8 [N, K / 2]: each run of 32 weights is 16 bytes, byte j holding weight j in its low nibble and
+//        weight j + 16 in its high nibble (GGUF Q4_0/Q4_1's order); w = q * scale[n, g] + min[n, g], q in 0..15,
+//        g = k / group_size; scale, min float32 [N, K / group_size].
+//   q8:  codes int8 [N, K]; w = q * scale[n, g], scale float32 [N, K / group_size].
+// Threads: ATen's intra-op pool (at::parallel_for) over tiles of output rows, so the kernels share torch's threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 3;          // output rows per register tile
+constexpr int64_t kTokenBlock = 32;   // tokens whose activations stay in cache while a row tile streams by
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[m * ldo + n0 + r] = dot(w[r], x[m]) + bias for R rows and T tokens (T <= 4), K a multiple of 8.
+template <int R, int T>
+inline void tile(const float* const* w, const float* x, int64_t ldx, int64_t K, float* out, int64_t ldo,
+                 int64_t n0, const float* bias) {
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w[r] + k);
+    for (int t = 0; t < T; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * ldx + k);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r)
+      out[t * ldo + n0 + r] = hsum(acc[r][t]) + (bias ? bias[n0 + r] : 0.0f);
+}
+
+template <int R>
+inline void rows_times_tokens(const float* const* w, const float* x, int64_t M, int64_t K, float* out, int64_t N,
+                              int64_t n0, const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<R, 4>(w, x + m * K, K, K, out + m * N, N, n0, bias);
+  switch (M - m) {
+    case 3: tile<R, 3>(w, x + m * K, K, K, out + m * N, N, n0, bias); break;
+    case 2: tile<R, 2>(w, x + m * K, K, K, out + m * N, N, n0, bias); break;
+    case 1: tile<R, 1>(w, x + m * K, K, K, out + m * N, N, n0, bias); break;
+    default: break;
+  }
+}
+
+// Decoders: row n of the weight as float32 into dst[K] (or a pointer to it when stored as float32).
+struct F32Rows {
+  const float* w;
+  int64_t K;
+  const float* row(int64_t n, float*) const { return w + n * K; }
+};
+
+struct Q4Rows {
+  const uint8_t* codes;
+  const float* scale;
+  const float* min;
+  int64_t K, group_size;
+  const float* row(int64_t n, float* dst) const {
+    const uint8_t* q = codes + n * (K / 2);
+    const int64_t groups = K / group_size;
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 s = _mm256_set1_ps(scale[n * groups + g]);
+      const __m256 b = _mm256_set1_ps(min[n * groups + g]);
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+        const __m128i lo = _mm_and_si128(packed, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int p = 0; p < 4; ++p) {
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+          _mm256_storeu_ps(dst + k + 8 * p, _mm256_fmadd_ps(v, s, b));
+        }
+      }
+    }
+    return dst;
+  }
+};
+
+struct Q8Rows {
+  const int8_t* codes;
+  const float* scale;
+  int64_t K, group_size;
+  const float* row(int64_t n, float* dst) const {
+    const int8_t* q = codes + n * K;
+    const int64_t groups = K / group_size;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 s = _mm256_set1_ps(scale[n * groups + g]);
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+        _mm256_storeu_ps(dst + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s));
+      }
+    }
+    return dst;
+  }
+};
+
+// Few tokens (T <= kFusedTokens): a quantized row is decoded in registers and multiplied at once, never stored.
+// out[t * N + n] = sum_g scale[n, g] * dot(q[n, g], x[t, g]) + sum_g min[n, g] * xsum[t, g] (+ bias[n]), where
+// xsum[t, g] is the sum of token t's activations over group g (q4: w = q * scale + min; q8 has no min).
+constexpr int64_t kFusedTokens = 4;
+
+inline void decode_q4_32(const uint8_t* q, __m256 v[4]) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i lo = _mm_and_si128(packed, low4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
+  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+inline void decode_q8_32(const int8_t* q, __m256 v[4]) {
+  for (int p = 0; p < 4; ++p)
+    v[p] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p))));
+}
+
+template <bool kQ4, int T>
+void fused_row(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
+               const float* x, const float* xsum, float* out, int64_t N, int64_t n, const float* bias) {
+  const int64_t groups = K / group_size;
+  __m256 total[T];
+  for (int t = 0; t < T; ++t) total[t] = _mm256_setzero_ps();
+  // P independent accumulators per token, so that few tokens still keep several FMA chains in flight.
+  constexpr int P = T == 1 ? 4 : (T == 2 ? 2 : 1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 gacc[T][P];
+    for (int t = 0; t < T; ++t)
+      for (int p = 0; p < P; ++p) gacc[t][p] = _mm256_setzero_ps();
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
+      __m256 w[4];
+      if constexpr (kQ4) decode_q4_32(codes + k / 2, w);
+      else decode_q8_32(reinterpret_cast<const int8_t*>(codes) + k, w);
+      for (int t = 0; t < T; ++t)
+        for (int p = 0; p < 4; ++p)
+          gacc[t][p % P] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(x + t * K + k + 8 * p), gacc[t][p % P]);
+    }
+    const __m256 s = _mm256_set1_ps(scale[g]);
+    for (int t = 0; t < T; ++t) {
+      __m256 sum = gacc[t][0];
+      for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, gacc[t][p]);
+      total[t] = _mm256_fmadd_ps(sum, s, total[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    float y = hsum(total[t]) + (bias ? bias[n] : 0.0f);
+    if constexpr (kQ4)
+      for (int64_t g = 0; g < groups; ++g) y += min[g] * xsum[t * groups + g];
+    out[t * N + n] = y;
+  }
+}
+
+template <bool kQ4, int T>
+void fused_rows(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
+                const float* x, const float* xsum, float* out, int64_t N, const float* bias) {
+  const int64_t groups = K / group_size, row_bytes = kQ4 ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      fused_row<kQ4, T>(codes + n * row_bytes, scale + n * groups, kQ4 ? min + n * groups : nullptr, K, group_size,
+                        x, xsum, out, N, n, bias);
+  });
+}
+
+// Dispatch on the token count; x [M, K] with M <= kFusedTokens.
+template <bool kQ4>
+void run_fused(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
+               const float* x, int64_t M, float* out, int64_t N, const float* bias) {
+  const int64_t groups = K / group_size;
+  std::vector<float> xsum(kQ4 ? M * groups : 0);
+  for (int64_t t = 0; kQ4 && t < M; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += x[t * K + k];
+      xsum[t * groups + g] = s;
+    }
+  switch (M) {
+    case 1: fused_rows<kQ4, 1>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
+    case 2: fused_rows<kQ4, 2>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
+    case 3: fused_rows<kQ4, 3>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
+    default: fused_rows<kQ4, 4>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
+  }
+}
+
+template <class Rows>
+void run(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out, const float* bias) {
+  const int64_t tiles = (N + kRows - 1) / kRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(kRows * K);
+    for (int64_t m0 = 0; m0 < M; m0 += kTokenBlock) {
+      const int64_t mt = std::min(kTokenBlock, M - m0);
+      for (int64_t tile_idx = begin; tile_idx < end; ++tile_idx) {
+        const int64_t n0 = tile_idx * kRows;
+        const int64_t r = std::min(kRows, N - n0);
+        const float* w[kRows];
+        for (int64_t i = 0; i < r; ++i) w[i] = rows.row(n0 + i, buf.data() + i * K);
+        const float* xs = x + m0 * K;
+        float* os = out + m0 * N;
+        if (r == 3) rows_times_tokens<3>(w, xs, mt, K, os, N, n0, bias);
+        else if (r == 2) rows_times_tokens<2>(w, xs, mt, K, os, N, n0, bias);
+        else rows_times_tokens<1>(w, xs, mt, K, os, N, n0, bias);
+      }
+    }
+  });
+}
+
+void check_input(const at::Tensor& x, int64_t K, const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU tensor [M, K]");
+  TORCH_CHECK(x.size(1) == K, "x has K=", x.size(1), ", the weight K=", K);
+  TORCH_CHECK(K % 8 == 0, "K must be a multiple of 8, got ", K);
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be a contiguous float32 tensor [N]");
+  }
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous(), "w must be contiguous float32 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_input(x, K, bias, N);
+  at::Tensor out = at::empty({M, N}, x.options());
+  run(F32Rows{w.data_ptr<float>(), K}, x.data_ptr<float>(), M, K, N, out.data_ptr<float>(),
+      bias ? bias->data_ptr<float>() : nullptr);
+  return out;
+}
+
+void check_groups(const at::Tensor& t, int64_t N, int64_t K, int64_t group_size, const char* what) {
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == N &&
+                  t.size(1) == K / group_size,
+              what, " must be contiguous float32 [N, K / group_size]");
+}
+
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                     int64_t group_size, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K / 2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, M = x.size(0);
+  check_input(x, K, bias, N);
+  check_groups(scale, N, K, group_size, "scale");
+  check_groups(min, N, K, group_size, "min");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M <= kFusedTokens) {
+    run_fused<true>(codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size,
+                    x.data_ptr<float>(), M, out.data_ptr<float>(), N, bias ? bias->data_ptr<float>() : nullptr);
+    return out;
+  }
+  run(Q4Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size},
+      x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
+  return out;
+}
+
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be contiguous int8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), M = x.size(0);
+  check_input(x, K, bias, N);
+  check_groups(scale, N, K, group_size, "scale");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M <= kFusedTokens) {
+    run_fused<false>(reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scale.data_ptr<float>(), nullptr,
+                     K, group_size, x.data_ptr<float>(), M, out.data_ptr<float>(), N,
+                     bias ? bias->data_ptr<float>() : nullptr);
+    return out;
+  }
+  run(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
+      out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("linear_f32", &linear_f32);
+  m.impl("linear_q4", &linear_q4);
+  m.impl("linear_q8", &linear_q8);
+}

@@ -1,0 +1,155 @@
+"""Linear layers over pagedserve's own CPU kernels (:mod:`pagedserve.kernels.cpu_build`), chosen at load.
+
+At decode a linear reads every weight once per step for a handful of tokens, so its speed is the speed at which the
+weights stream from memory. torch's fp32 ``F.linear`` reaches about 9 GB/s there on this project's AVX2 machine
+(a third of a plain memory read), and its int4/int8 CPU kernels are vectorized only for bfloat16 activations; the
+kernels in ``csrc/cpu_linear.cpp`` stream float32, 4-bit and 8-bit weights with float32 activations and
+accumulation (``bench/linear_probe.py`` measures each layer against a memory copy in the same run).
+
+Layers (x: ``[..., K]`` in the compute dtype; returns ``[..., N]`` in x's dtype):
+
+- :class:`StreamingLinear`: float32 weight ``[N, K]`` as loaded; the own kernel up to :data:`F32_MAX_TOKENS` rows,
+  torch's GEMM above (prefill chunks, where its blocked GEMM wins).
+- :class:`StreamingInt4Linear`: an :class:`~.quant.Int4Weight`, codes packed two per byte in GGUF's order,
+  ``w = q * scale + min`` with ``min = zero - 8 * scale`` (float32), every token count.
+- :class:`StreamingInt8Linear`: int8 codes with a float32 scale per group of ``group_size`` along K: GGUF Q8_0
+  (group 32, exact: the logits of the tied LM head need no rescoring) or int8 per output channel (group K).
+
+:func:`use_cpu_kernels` swaps a loaded model's float32 ``nn.Linear`` leaves; the quantized layers are built directly
+by :mod:`.quant_load` when its plan says so.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.cpu_build import cpu_linear_ops
+from .quant import Int4Weight, Int8BlockWeight, Int8ChannelWeight
+
+F32_MAX_TOKENS = 32   # at most this many rows through the own fp32 kernel (measured: torch's GEMM wins from ~64)
+LINEAR_KERNELS = ("auto", "torch")
+
+
+def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
+    """Whether to build layers over the own kernels: ``choice`` "auto" on a CPU device where they load.
+
+    Raises:
+        ValueError: an unknown ``choice`` (one of :data:`LINEAR_KERNELS`).
+    """
+    if choice not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernels: unknown choice {choice!r}; one of {LINEAR_KERNELS}")
+    return choice == "auto" and torch.device(device).type == "cpu" and cpu_linear_ops() is not None
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.reshape(-1, k).to(torch.float32).contiguous()
+
+
+def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
+    return None if bias is None else nn.Parameter(bias.detach().to(torch.float32).contiguous(), requires_grad=False)
+
+
+class StreamingLinear(nn.Module):
+    """float32 ``y = x @ weight.T (+ bias)``; weight ``[N, K]`` float32 contiguous, K a multiple of 8."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        self.bias = _bias(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > F32_MAX_TOKENS:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.pagedserve_cpu.linear_f32(x2.contiguous(), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, float32 (own kernel up to {F32_MAX_TOKENS} rows)"
+
+
+class StreamingInt4Linear(nn.Module):
+    """``y = x @ W.T (+ bias)`` for an :class:`Int4Weight` (group size a multiple of 32 dividing K).
+
+    Buffers: ``codes`` uint8 ``[N, K // 2]`` (each 32 weights as 16 bytes: weight j in the low nibble of byte j,
+    weight j + 16 in its high nibble), ``scales`` and ``mins`` float32 ``[N, K // group_size]``.
+
+    Raises:
+        ValueError: a group size that is not a multiple of 32 dividing K.
+    """
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        n, k = weight.codes.shape
+        g = weight.group_size
+        if g % 32 or k % g:
+            raise ValueError(f"int4 kernel: group size {g} must be a multiple of 32 dividing K={k}")
+        self.out_features, self.in_features, self.group_size, self.source = n, k, g, weight.source
+        halves = weight.codes.view(n, k // 32, 2, 16)
+        self.register_buffer("codes", (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous())
+        self.register_buffer("scales", weight.scales.to(torch.float32).contiguous())
+        self.register_buffer("mins", (weight.zeros - 8.0 * weight.scales).to(torch.float32).contiguous())
+        self.bias = _bias(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.pagedserve_cpu.linear_q4(_rows(x, self.in_features), self.codes, self.scales, self.mins,
+                                               self.group_size, self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, source={self.source}"
+
+
+class StreamingInt8Linear(nn.Module):
+    """``y = x @ W.T (+ bias)`` for int8 codes with a scale per group along K.
+
+    Built from an :class:`Int8BlockWeight` (GGUF Q8_0: group 32, float16 scales widened exactly to float32) or an
+    :class:`Int8ChannelWeight` (one group of K per row). Buffers: ``codes`` int8 ``[N, K]``, ``scales`` float32
+    ``[N, K // group_size]``.
+    """
+
+    def __init__(self, weight: Int8BlockWeight | Int8ChannelWeight, bias: torch.Tensor | None = None,
+                 source: str = "int8"):
+        super().__init__()
+        n, k = weight.codes.shape
+        self.out_features, self.in_features, self.source = n, k, source
+        if isinstance(weight, Int8BlockWeight):
+            self.group_size, scales = weight.block_size, weight.scales
+        else:
+            self.group_size, scales = k, weight.scales.reshape(n, 1)
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scales", scales.to(torch.float32).contiguous())
+        self.bias = _bias(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.pagedserve_cpu.linear_q8(_rows(x, self.in_features), self.codes, self.scales,
+                                               self.group_size, self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, source={self.source}"
+
+
+def use_cpu_kernels(model: nn.Module) -> int:
+    """Replace every float32 ``nn.Linear`` of ``model`` whose K is a multiple of 8 by a :class:`StreamingLinear`
+    sharing its weight; a tied LM head (``model.lm_head`` None beside a float32 ``nn.Embedding`` ``embed_tokens``)
+    becomes one over the embedding's weight (shared, not copied). Returns how many layers were built (0 when the
+    kernels did not load)."""
+    if cpu_linear_ops() is None:
+        return 0
+    swapped = 0
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", False) is None and type(embed) is nn.Embedding and \
+            embed.weight.dtype == torch.float32 and embed.embedding_dim % 8 == 0:
+        model.lm_head = StreamingLinear(embed.weight.data)
+        swapped += 1
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.in_features % 8 == 0 \
+                and module.weight.device.type == "cpu":
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child,
+                    StreamingLinear(module.weight.data, None if module.bias is None else module.bias.data))
+            swapped += 1
+    return swapped

@@ -1,0 +1,129 @@
+"""pagedserve's CPU linear kernels (kernels/csrc/cpu_linear.cpp, models/cpu_linear.py) against float64 references:
+every token count of the small-M and blocked paths, N not a multiple of the row tile, bias, bad arguments, and the
+layers built at load (float32 swap, tied LM head, GGUF Q4_1 and Q8_0 as stored)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.cpu_build import cpu_linear_ops, unavailable_reason
+from pagedserve.models.cpu_linear import (StreamingInt4Linear, StreamingInt8Linear, StreamingLinear,
+                                          cpu_kernels_enabled, use_cpu_kernels)
+from pagedserve.models.quant import Int4Weight, Int8BlockWeight, quantize_int4, quantize_int8_per_channel
+
+pytestmark = pytest.mark.skipif(cpu_linear_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+
+TOKEN_COUNTS = [1, 2, 3, 4, 5, 9, 33, 70]   # fused (<= 4) and blocked paths, a partial 32-token block, > 64
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 accumulation error of a K-term dot product: a few ulps of sum |x| |w| per term."""
+    return 4 * x.shape[1] * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().t()) + 1e-6
+
+
+@pytest.mark.parametrize("m", TOKEN_COUNTS)
+def test_f32_kernel_matches_float64(m):
+    gen = torch.Generator().manual_seed(m)
+    x, w, b = torch.randn(m, 200, generator=gen), torch.randn(301, 200, generator=gen), torch.randn(301, generator=gen)
+    ref = F.linear(x.double(), w.double(), b.double())
+    got = torch.ops.pagedserve_cpu.linear_f32(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (m, 301)
+    assert ((got.double() - ref).abs() <= _bound(x, w)).all()
+    assert torch.allclose(torch.ops.pagedserve_cpu.linear_f32(x, w, None).double(), ref - b.double(),
+                          atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", TOKEN_COUNTS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_layer_matches_dequantized_weight(m, group):
+    """StreamingInt4Linear computes with the exact dequantized weights ((q - 8) * scale + zero), float32 math."""
+    gen = torch.Generator().manual_seed(m * group)
+    q = quantize_int4(torch.randn(97, 256, generator=gen), group)
+    bias = torch.randn(97, generator=gen)
+    x = torch.randn(m, 256, generator=gen)
+    dense = q.dequantize()
+    got = StreamingInt4Linear(q, bias)(x)
+    ref = F.linear(x.double(), dense.double(), bias.double())
+    assert ((got.double() - ref).abs() <= _bound(x, dense) + 1e-5 * ref.abs()).all()
+
+
+@pytest.mark.parametrize("m", TOKEN_COUNTS)
+def test_int8_layers_match_dequantized_weight(m):
+    """Q8_0 blocks (group 32, float16 scales) and int8 per output channel (one group of K)."""
+    gen = torch.Generator().manual_seed(100 + m)
+    codes = torch.randint(-127, 128, (50, 96), dtype=torch.int8, generator=gen)
+    blocks = Int8BlockWeight(codes, (torch.rand(50, 3, generator=gen) / 50).half())
+    channel = quantize_int8_per_channel(torch.randn(50, 96, generator=gen))
+    x = torch.randn(m, 96, generator=gen)
+    for weight in (blocks, channel):
+        dense = weight.dequantize()
+        got = StreamingInt8Linear(weight)(x)
+        ref = F.linear(x.double(), dense.double())
+        assert ((got.double() - ref).abs() <= _bound(x, dense)).all()
+
+
+def test_layers_keep_shapes_and_dtype():
+    """Leading dimensions pass through; bfloat16 activations come back bfloat16."""
+    w = torch.randn(24, 64)
+    layer = StreamingLinear(w)
+    x = torch.randn(2, 3, 64)
+    assert layer(x).shape == (2, 3, 24)
+    assert torch.allclose(layer(x), F.linear(x, w), atol=1e-5)
+    q4 = StreamingInt4Linear(quantize_int4(w, 32))
+    assert q4(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_large_token_counts_use_torch_gemm():
+    """Above F32_MAX_TOKENS rows StreamingLinear is F.linear (prefill), bit for bit."""
+    from pagedserve.models.cpu_linear import F32_MAX_TOKENS
+
+    w, x = torch.randn(40, 64), torch.randn(F32_MAX_TOKENS + 1, 64)
+    assert torch.equal(StreamingLinear(w)(x), F.linear(x, w))
+
+
+def test_bad_arguments_raise():
+    ops = torch.ops.pagedserve_cpu
+    w = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="x has K=32"):
+        ops.linear_f32(torch.randn(2, 32), w, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.linear_f32(torch.randn(2, 64).double(), w, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.linear_q8(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 3), 48, None)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        StreamingInt4Linear(Int4Weight(torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 3), torch.zeros(8, 3),
+                                       16, "t"))
+    with pytest.raises(ValueError, match="linear_kernels"):
+        cpu_kernels_enabled("fast", torch.device("cpu"))
+
+
+def test_use_cpu_kernels_swaps_linears_and_ties_lm_head():
+    """float32 nn.Linear leaves become StreamingLinear sharing their weight; a tied LM head is built over the
+    embedding's storage (no copy)."""
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(50, 16)
+    model.proj = torch.nn.Linear(16, 24)
+    model.odd = torch.nn.Linear(12, 4)          # K not a multiple of 8: left alone
+    model.lm_head = None
+    weight_ptr = model.proj.weight.data_ptr()
+    assert use_cpu_kernels(model) == 2
+    assert isinstance(model.proj, StreamingLinear) and model.proj.weight.data_ptr() == weight_ptr
+    assert type(model.odd) is torch.nn.Linear
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    h = torch.randn(3, 16)
+    assert torch.allclose(model.lm_head(h), h @ model.embed_tokens.weight.t(), atol=1e-5)
+
+
+def test_embedded_gguf_layers_exact(llm_int4, llm_parts):
+    """The embedded GGUF on the own kernels: Q4_1 linears and the Q8_0 tied LM head as stored give the dequantized
+    fp32 model's outputs within float32 rounding (no bfloat16 anywhere)."""
+    if llm_int4.linear_kernels != "pagedserve-cpu":
+        pytest.skip("the int4 model was built on torch's kernels")
+    fp32 = llm_parts[0]
+    assert "lm_head Q8_0 (as stored)" in llm_int4.quantization
+    h = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
+    for got_layer, ref_layer in ((llm_int4.layers[3].mlp, fp32.layers[3].mlp),
+                                 (llm_int4.compute_logits, fp32.compute_logits)):
+        got, ref = got_layer(h), ref_layer(h)
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
