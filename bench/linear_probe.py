@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -42,6 +43,20 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds per call of each function, the functions taking turns (one call each per round), so load
+    from other processes hits every one alike."""
+    for fn in fns.values():
+        fn()
+    samples = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - start)
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
 def copy_bandwidth(repeats: int) -> float:
     src = torch.randn(128 * 2**20)
     dst = torch.empty_like(src)
@@ -64,12 +79,12 @@ def run_shape(name, copies, ms, repeats):
     q4_bytes = sum(c[3] for c in copies)
     for m in ms:
         x = torch.randn(m, k)
-        t = {
-            "f32 torch": timed(lambda: [F.linear(x, c[0]) for c in copies], repeats),
-            "f32 ours": timed(lambda: [torch.ops.pagedserve_cpu.linear_f32(x, c[0], None) for c in copies], repeats),
-            "q4 torch": timed(lambda: [c[1](x) for c in copies], repeats),
-            "q4 ours": timed(lambda: [c[2](x) for c in copies], repeats),
-        }
+        t = interleaved({
+            "f32 torch": lambda: [F.linear(x, c[0]) for c in copies],
+            "f32 ours": lambda: [torch.ops.pagedserve_cpu.linear_f32(x, c[0], None) for c in copies],
+            "q4 torch": lambda: [c[1](x) for c in copies],
+            "q4 ours": lambda: [c[2](x) for c in copies],
+        }, repeats)
         yield name, m, t, f32_bytes, q4_bytes, 2 * m * n * k * len(copies)
 
 
@@ -95,10 +110,10 @@ def lm_head(ms, repeats, copy_bw):
     q8_bytes = n * k + n * (k // 32) * 2
     for m in ms:
         x = torch.randn(m, k)
-        t = {"f32 torch": timed(lambda: F.linear(x, w), repeats),
-             "f32 ours": timed(lambda: torch.ops.pagedserve_cpu.linear_f32(x, w, None), repeats),
-             "q8 torch (per channel)": timed(lambda: torch_q8(x), repeats),
-             "q8 ours (Q8_0)": timed(lambda: ours_q8(x), repeats)}
+        t = interleaved({"f32 torch": lambda: F.linear(x, w),
+                         "f32 ours": lambda: torch.ops.pagedserve_cpu.linear_f32(x, w, None),
+                         "q8 torch (per channel)": lambda: torch_q8(x),
+                         "q8 ours (Q8_0)": lambda: ours_q8(x)}, repeats)
         cells = []
         for key, s in t.items():
             nbytes = n * k * 4 if key.startswith("f32") else q8_bytes

@@ -13,6 +13,10 @@ scheme     GGUF Q4_0 / Q4_1                        GGUF Q8_0                    
 ``int8``   int8 per channel (requantized)          int8 per channel (requantized)             int8 per channel
 =========  =====================================  =========================================  =====================
 
+With pagedserve's CPU kernels (``plan.cpu_kernels``, :mod:`.cpu_linear`), Q8_0 weights are kept as stored under
+``gguf`` and ``int8`` (the tied LM head runs on the embedding's own Q8_0 codes, exactly); on torch's kernels they
+are requantized per channel and the LM head's top logits rescored (:class:`~.quant.RescoredLMHead`).
+
 ``gguf`` is ``auto`` on a GGUF file; ``auto`` on an HF checkpoint is ``none`` (no placeholders at all). The LM head
 is int8 per channel unless its weight is stored int4 (it is tied to the Q8_0 embedding in the embedded model); a
 Q8_0 embedding stays Q8_0 (:class:`~.quant.Q8Embedding`). Fused pieces that are not all int4 blocks of one group
@@ -132,8 +136,9 @@ def build_linear(pieces: list, bias: torch.Tensor | None, plan: QuantPlan, lm_he
     all_q8 = all(isinstance(p, Int8BlockWeight) for p in pieces)
     if all_q8 and plan.cpu_kernels and plan.scheme in ("gguf", "int8"):
         plan.counts[f"{kind} Q8_0 (as stored)"] += 1
-        return StreamingInt8Linear(Int8BlockWeight(torch.cat([p.codes for p in pieces]),
-                                                   torch.cat([p.scales for p in pieces])), bias, source="Q8_0")
+        w = pieces[0] if len(pieces) == 1 else Int8BlockWeight(torch.cat([p.codes for p in pieces]),
+                                                               torch.cat([p.scales for p in pieces]))
+        return StreamingInt8Linear(w, bias, source="Q8_0")   # a tied head shares the embedding's codes
     dense = torch.cat([_dense(p) for p in pieces])
     if plan.scheme == "int4" and not lm_head and dense.shape[1] % plan.group_size == 0 and \
             (layer := _int4_layer(quantize_int4(dense, plan.group_size), bias, plan)) is not None:
