@@ -28,7 +28,8 @@ def collect(engine, on_step=None) -> dict:
     out: dict = {}
     while engine.has_unfinished():
         for d in engine.step():
-            out.setdefault(d.request_id, {})[d.index] = (d.token_ids, d.finish_reason, d.text, d.cumulative_logprob)
+            ids, _, text, _ = out.setdefault(d.request_id, {}).get(d.index, ([], None, "", None))
+            out[d.request_id][d.index] = (ids + d.token_ids, d.finish_reason, text + d.text, d.cumulative_logprob)
         if on_step is not None:
             on_step(engine)
     return {rid: [v[i] for i in sorted(v)] for rid, v in out.items()}
@@ -91,3 +92,140 @@ def test_bad_beam_parameters_name_the_field(make_engine):
             engine.add_request("bad", [1, 2, 3], beam_params(k, max_tokens=max_tokens))
         assert e.value.field == "beam_search.beam_width"
     assert not engine.has_unfinished() and not engine.groups
+
+
+# ---- a small random-weight Llama: preemption, abort, memory --------------------------------------------------------
+SMALL = dict(num_hidden_layers=2, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    import backend_cases as bc
+
+    return bc.random_llama(torch.device("cpu"), **SMALL)
+
+
+def small_engine(small_llama, **kwargs):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
+
+    model, cfg, tokenizer = small_llama
+    kwargs = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", "max_model_len": 1024,
+              "max_num_seqs": 16, **kwargs}
+    return build_engine(EngineConfig(**kwargs), model=model, tokenizer=tokenizer, hf_config=cfg)[0]
+
+
+def used_blocks(engine) -> int:
+    return engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks
+
+
+def shared_partial_blocks(engine) -> int:
+    """Blocks held by two or more beams that are not full of computed tokens (forks of a partial block)."""
+    bs, seen = engine.kv_cache.block_size, set()
+    for r in engine.scheduler.running:
+        for i, b in enumerate(r.blocks):
+            if b.ref_cnt > 1 and (i + 1) * bs > r.num_computed_tokens:
+                seen.add(b.block_id)
+    return len(seen)
+
+
+def run_small(engine, prompts, widths, max_tokens=12):
+    for i, (ids, k) in enumerate(zip(prompts, widths)):
+        engine.add_request(f"r{i}", ids, beam_params(k, n=min(k, 2), max_tokens=max_tokens, ignore_eos=True))
+    return collect(engine)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preemption_leaves_outputs_identical_and_blocks_free(small_llama, caching):
+    """Five beam groups (widths 2-4) under a pool that forces group preemptions (and recomputes of forked
+    beams) return what an ample pool returns; every block is free at the end."""
+    import random
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(9, 30))] for _ in range(5)]
+    widths = [2, 3, 4, 3, 4]
+    ample = small_engine(small_llama, num_kv_blocks=400, block_size=4, enable_prefix_caching=caching)
+    expected = run_small(ample, prompts, widths)
+    tight = small_engine(small_llama, num_kv_blocks=44, block_size=4, enable_prefix_caching=caching,
+                         max_num_batched_tokens=32, max_model_len=160)
+    got = run_small(tight, prompts, widths)
+    assert ample.scheduler.num_preemptions == 0 and tight.scheduler.num_preemptions > 0
+    assert set(got) == set(expected)
+    for rid in expected:
+        assert [c[:3] for c in got[rid]] == [c[:3] for c in expected[rid]], rid
+        assert [c[3] for c in got[rid]] == pytest.approx([c[3] for c in expected[rid]], abs=1e-4)
+    for engine in (ample, tight):
+        assert used_blocks(engine) == 0 and not engine.scheduler.running and not engine.groups
+
+
+def test_abort_mid_search_frees_every_block(small_llama):
+    """Abort while beams share partial blocks (and one group waits preempted): all blocks free, abort deltas."""
+    import random
+
+    rng = random.Random(2)
+    engine = small_engine(small_llama, num_kv_blocks=48, block_size=4, max_model_len=160)
+    for i in range(3):
+        engine.add_request(f"r{i}", [rng.randrange(2, 512) for _ in range(17)],
+                           beam_params(4, n=2, max_tokens=20, ignore_eos=True))
+    saw_shared = 0
+    for _ in range(6):
+        engine.step()
+        saw_shared = max(saw_shared, shared_partial_blocks(engine))
+    assert saw_shared > 0 and used_blocks(engine) > 0
+    aborted, deltas = engine.abort(["r0", "r1", "r2", "nope"])
+    assert aborted == ["r0", "r1", "r2"]
+    assert sorted((d.request_id, d.index) for d in deltas) == [(f"r{i}", j) for i in range(3) for j in range(2)]
+    assert all(d.finish_reason == "abort" for d in deltas)
+    assert used_blocks(engine) == 0 and not engine.has_unfinished() and not engine.groups
+
+
+def test_peak_blocks_share_the_prompt_and_fork_partial_blocks(small_llama):
+    """Beam width 4, a 500-token prompt, 64 new tokens (block_size 16): the peak number of blocks held is at most
+    prompt blocks + 4 x (output blocks + 1); the baseline is the same 4 sequences run independently."""
+    bs, prompt_len, new = 16, 500, 64
+    ids = [(7 * i) % 500 + 2 for i in range(prompt_len)]
+    peaks = {}
+    for mode in ("beam", "independent"):
+        engine = small_engine(small_llama, num_kv_blocks=400, block_size=bs, enable_prefix_caching=False)
+        if mode == "beam":
+            engine.add_request("b", ids, beam_params(4, n=4, max_tokens=new, ignore_eos=True))
+        else:
+            for i in range(4):
+                engine.add_request(f"s{i}", ids, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+        peak = [0]
+        out = collect(engine, on_step=lambda e: peak.__setitem__(0, max(peak[0], used_blocks(e))))
+        assert all(len(c[0]) == new for v in out.values() for c in v)
+        assert used_blocks(engine) == 0
+        peaks[mode] = peak[0]
+    prompt_blocks, out_blocks = -(-prompt_len // bs), -(-new // bs)
+    bound = prompt_blocks + 4 * (out_blocks + 1)
+    print(f"\npeak KV blocks, beam width 4 (500-token prompt, 64 new, block 16): {peaks['beam']} "
+          f"(bound {bound}); 4 independent sequences: {peaks['independent']}")
+    assert peaks["beam"] <= bound
+    assert peaks["independent"] == 4 * -(-(prompt_len + new - 1) // bs)
+
+
+def test_grpc_beam_search(server, client):
+    """Over gRPC: n completions in score order, cumulative_logprob set, usage once; bad fields are
+    INVALID_ARGUMENT naming them; the blocks are all free afterwards."""
+    import grpc
+
+    from pagedserve_client import pb
+    from test_generate_e2e import wait_all_blocks_free
+
+    responses = list(client.generate(prompt="The best thing about rain is", max_tokens=6, n=2,
+                                     beam_search={"beam_width": 3, "length_penalty": 0.0}))
+    assert [r.index for r in responses] == [0, 1]
+    assert all(r.HasField("cumulative_logprob") and r.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+               for r in responses)
+    assert responses[0].cumulative_logprob >= responses[1].cumulative_logprob  # length_penalty 0: raw sums
+    assert responses[1].usage.completion_tokens == sum(len(r.token_ids) for r in responses)
+    assert not responses[0].HasField("usage")
+    for kwargs, field in [(dict(temperature=0.8), "sampling.temperature"), (dict(n=4), "sampling.n"),
+                          (dict(beam_search={"beam_width": 1}), "beam_search.beam_width")]:
+        kwargs = {"beam_search": {"beam_width": 3}, **kwargs}
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(prompt="hi", max_tokens=4, **kwargs))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    wait_all_blocks_free(client)
