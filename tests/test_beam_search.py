@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidInputError
-from support import run_to_completion
+from support import assert_no_blocks_held
 
 HF_PROMPTS = [
     "What is the capital of France? Answer in one word.",
@@ -229,3 +229,28 @@ def test_grpc_beam_search(server, client):
             list(client.generate(prompt="hi", max_tokens=4, **kwargs))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
     wait_all_blocks_free(client)
+
+
+def test_http_use_beam_search_matches_grpc(server, client):
+    """vLLM's extras on /v1/completions and /v1/chat/completions: use_beam_search with beam width n; the texts equal
+    gRPC's beam search; bad values are 400 naming the field."""
+    import httpx
+
+    base = server.http_url + "/v1"
+    grpc_texts = [r.text for r in client.generate(prompt="Once upon a time", max_tokens=6, n=3,
+                                                  beam_search={"beam_width": 3, "length_penalty": 0.5,
+                                                               "early_stopping": True})]
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "n": 3, "use_beam_search": True, "length_penalty": 0.5,
+            "early_stopping": True}
+    r = httpx.post(base + "/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == grpc_texts
+    chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 5, "n": 2, "use_beam_search": True}
+    r = httpx.post(base + "/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    for bad, param in [({"n": 1}, "n"), ({"temperature": 0.5}, "temperature"), ({"length_penalty": "x"}, None)]:
+        r = httpx.post(base + "/completions", json={**body, **bad}, timeout=60)
+        assert r.status_code == 400, r.text
+        if param is not None:
+            assert r.json()["error"]["param"] == param
+    assert_no_blocks_held(server)
