@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
+from ..errors import InvalidInputError
 from .beam_search import BeamSearchState, Candidate, Hypothesis
 from .detokenizer import IncrementalDetokenizer
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(eq=False, slots=True)
@@ -52,12 +56,32 @@ class BeamSearcher:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def start(self, leader: Request) -> BeamGroup:
-        """Make ``leader`` (a new request whose params ask for beam search) the first beam of a new group."""
-        group = BeamGroup(leader.parent_id, leader.params, BeamSearchState(leader.params.beam_search), [leader],
-                          {leader: 0.0})
-        leader.beam = group
-        return group
+    def add(self, request_id: str, ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int],
+            priority: int = 0, cache_salt: str | None = None) -> Request:
+        """Queue a beam search request as its first beam (the prompt), ``.beam`` set to its new group.
+
+        A group's beams run together, so beam_width seats and beam_width unshared sequences' blocks (what a
+        readmission after preemption may take) must fit.
+
+        Raises:
+            InvalidInputError: (``beam_search.beam_width``) more beams than max_num_seqs, or than the KV cache can
+                hold at prompt + max_tokens tokens each.
+        """
+        width = params.beam_search.beam_width
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        if width > self.scheduler.max_num_seqs:
+            raise InvalidInputError(f"beam_width {width} exceeds max_num_seqs {self.scheduler.max_num_seqs}",
+                                    "beam_search.beam_width")
+        need = width * self.kv_cache.blocks_needed(len(ids) + max_tokens)
+        if need > self.kv_cache.num_blocks:
+            raise InvalidInputError(f"beam_width {width} x (prompt + max_tokens = {len(ids) + max_tokens} tokens) "
+                                    f"needs up to {need} KV blocks; the cache has {self.kv_cache.num_blocks} "
+                                    "(lower max_tokens or beam_width)", "beam_search.beam_width")
+        leader = Request(request_id, ids, params, max_tokens, eos_token_ids, priority=priority,
+                         cache_salt=cache_salt, parent_id=request_id)
+        leader.beam = BeamGroup(request_id, params, BeamSearchState(params.beam_search), [leader], {leader: 0.0})
+        self.scheduler.add_request(leader)
+        return leader
 
     def on_preempted(self, requests: list[Request]) -> None:
         """Forget the logprobs of preempted beams (they are recomputed)."""
@@ -78,7 +102,12 @@ class BeamSearcher:
                 ready.append(group)
         deltas = []
         for group in ready:
-            deltas.extend(self._step(group))
+            try:
+                deltas.extend(self._step(group))
+            except Exception as exc:  # one request's failure must not take the others down
+                log.exception("request_failed", request_id=group.request_id)
+                deltas.extend(self.abort(group))
+                deltas[-1].error = exc
         return deltas
 
     def _step(self, group: BeamGroup) -> list:

@@ -105,7 +105,7 @@ class LLMEngine:
         self.proposer = build_proposer(self.speculative) if self.speculative else None
         self.num_draft_tokens = 0                 # drafts verified since start-up
         self.num_accepted_tokens = 0              # of those, accepted
-        self.beams = BeamSearcher(self.scheduler, tokenizer, max_model_len)
+        self.beams = BeamSearcher(self.scheduler, tokenizer, max_model_len)  # beam search groups
         self.num_steps = 0
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
 
@@ -139,7 +139,9 @@ class LLMEngine:
         if not self.scheduler.can_admit(params.n):
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
         if params.beam_search is not None:
-            return [self._add_beam_request(request_id, ids, params, priority, cache_salt)]
+            leader = self.beams.add(request_id, ids, params, self.eos_token_ids, priority, cache_salt or None)
+            self.groups[request_id] = RequestGroup(request_id, [leader], beam=leader.beam)
+            return [leader]
         compiling, compiled = None, None
         if params.structured_output is not None:
             compiling = self.grammars.submit(params.structured_output)
@@ -162,26 +164,6 @@ class LLMEngine:
         else:
             self._schedule_group(group, compiled)
         return children
-
-    def _add_beam_request(self, request_id: str, ids: list[int], params: SamplingParams, priority: int,
-                          cache_salt: str | None) -> Request:
-        """Queue a beam search request: its first beam (the prompt). A group's beams run together, so beam_width
-        seats and beam_width unshared sequences' blocks (what a readmission after preemption may take) must fit."""
-        width = params.beam_search.beam_width
-        max_tokens = params.max_tokens or self.max_model_len - len(ids)
-        if width > self.config.max_num_seqs:
-            raise InvalidInputError(f"beam_width {width} exceeds max_num_seqs {self.config.max_num_seqs}",
-                                    "beam_search.beam_width")
-        need = width * self.kv_cache.blocks_needed(len(ids) + max_tokens)
-        if need > self.kv_cache.num_blocks:
-            raise InvalidInputError(f"beam_width {width} x (prompt + max_tokens = {len(ids) + max_tokens} tokens) "
-                                    f"needs up to {need} KV blocks; the cache has {self.kv_cache.num_blocks} "
-                                    "(lower max_tokens or beam_width)", "beam_search.beam_width")
-        leader = Request(request_id, ids, params, max_tokens, self.eos_token_ids, priority=priority,
-                         cache_salt=cache_salt or None, parent_id=request_id)
-        self.groups[request_id] = RequestGroup(request_id, [leader], beam=self.beams.start(leader))
-        self.scheduler.add_request(leader)
-        return leader
 
     def _schedule_group(self, group: RequestGroup, compiled=None) -> None:
         """Queue a group's first completion (the others follow once it has the prompt); ``compiled``: its
