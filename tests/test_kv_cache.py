@@ -163,7 +163,10 @@ def test_fork_shares_the_partial_block_and_the_first_write_copies_it():
     assert [blk.ref_cnt for blk in a.blocks] == [2, 2]
     assert kv.take_block_copies() == []
     b.append_output_token(9)
-    assert kv.blocks_to_allocate(b, 1) == 1
+    assert kv.blocks_to_allocate([(b, 1)]) == 1
+    a.append_output_token(8)
+    assert kv.blocks_to_allocate([(b, 1), (a, 1)]) == 1  # one copy: the second writer finds the block private
+    a.token_ids.pop()
     assert kv.allocate_slots(b, 1)
     (src, dst), = kv.take_block_copies()
     assert src == a.blocks[1].block_id and dst == b.blocks[1].block_id != src

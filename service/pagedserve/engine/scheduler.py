@@ -142,7 +142,7 @@ class Scheduler:
             n = max(0, min(b.num_tokens - b.num_computed_tokens, left, self.long_prefill_token_threshold))
             plan.append((b, n))
             left -= n
-        need = sum(self.kv_cache.blocks_to_allocate(b, n) for b, n in plan)
+        need = self.kv_cache.blocks_to_allocate(plan)
         while need > self.kv_cache.num_free_blocks:
             victim = self.running[-1]
             self._preempt(victim, out)

@@ -136,11 +136,17 @@ class KVCacheManager:
         self._cache_full_blocks(request, total)
         return True
 
-    def blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks :meth:`allocate_slots` (without cached blocks) would take from the pool: new ones plus copies."""
-        total = request.num_computed_tokens + num_new_tokens
-        return max(self.blocks_needed(total) - len(request.blocks), 0) + len(self._shared_written(request,
-                                                                                                    num_new_tokens))
+    def blocks_to_allocate(self, plan: list[tuple[Request, int]]) -> int:
+        """Blocks that :meth:`allocate_slots` (without cached blocks) for each ``(request, num_new_tokens)`` of
+        ``plan``, in order, would take from the pool: new blocks plus copies. A block shared by ``m`` sequences is
+        copied at most ``m - 1`` times: its last writer finds it private."""
+        num, writers = 0, {}
+        for request, n in plan:
+            num += max(self.blocks_needed(request.num_computed_tokens + n) - len(request.blocks), 0)
+            for i in self._shared_written(request, n):
+                block = request.blocks[i]
+                writers[block] = writers.get(block, 0) + 1
+        return num + sum(min(w, block.ref_cnt - 1) for block, w in writers.items())
 
     def _shared_written(self, request: Request, num_new_tokens: int) -> list[int]:
         """Indices of the request's existing blocks that the next ``num_new_tokens`` tokens write and that another
