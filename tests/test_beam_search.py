@@ -160,24 +160,26 @@ def test_preemption_leaves_outputs_identical_and_blocks_free(small_llama, cachin
 
 
 def test_abort_mid_search_frees_every_block(small_llama):
-    """Abort while beams share partial blocks (and one group waits preempted): all blocks free, abort deltas."""
+    """Abort while beams share partial blocks and groups wait preempted: all blocks free, abort deltas."""
     import random
 
     rng = random.Random(2)
-    engine = small_engine(small_llama, num_kv_blocks=48, block_size=4, max_model_len=160)
-    for i in range(3):
+    engine = small_engine(small_llama, num_kv_blocks=28, block_size=4, max_model_len=100)
+    for i in range(4):
         engine.add_request(f"r{i}", [rng.randrange(2, 512) for _ in range(17)],
-                           beam_params(4, n=2, max_tokens=20, ignore_eos=True))
+                           beam_params(4, n=2, max_tokens=10, ignore_eos=True))
     saw_shared = 0
     for _ in range(6):
         engine.step()
         saw_shared = max(saw_shared, shared_partial_blocks(engine))
     assert saw_shared > 0 and used_blocks(engine) > 0
-    aborted, deltas = engine.abort(["r0", "r1", "r2", "nope"])
-    assert aborted == ["r0", "r1", "r2"]
-    assert sorted((d.request_id, d.index) for d in deltas) == [(f"r{i}", j) for i in range(3) for j in range(2)]
+    assert engine.scheduler.num_waiting > 0 and engine.scheduler.num_preemptions > 0
+    aborted, deltas = engine.abort(["r0", "r1", "r2", "r3", "nope"])
+    assert aborted == ["r0", "r1", "r2", "r3"]
+    assert sorted((d.request_id, d.index) for d in deltas) == [(f"r{i}", j) for i in range(4) for j in range(2)]
     assert all(d.finish_reason == "abort" for d in deltas)
     assert used_blocks(engine) == 0 and not engine.has_unfinished() and not engine.groups
+    assert engine.scheduler.num_waiting == 0 and not engine.scheduler.running
 
 
 def test_peak_blocks_share_the_prompt_and_fork_partial_blocks(small_llama):
