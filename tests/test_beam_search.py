@@ -208,6 +208,29 @@ def test_peak_blocks_share_the_prompt_and_fork_partial_blocks(small_llama):
     assert peaks["independent"] == 4 * -(-(prompt_len + new - 1) // bs)
 
 
+def test_stop_strings_and_stop_token_ids_end_single_beams(small_llama):
+    """A token the unconstrained search emits becomes a stop string (then a stop token id): the beams that reach it
+    become finished hypotheses ("stop", the stop named, the text cut before a stop string), others go on."""
+    prompt = [11, 29, 300, 41, 7, 99, 150]
+    engine = small_engine(small_llama, num_kv_blocks=200, block_size=4, max_model_len=128)
+    engine.add_request("free", prompt, beam_params(3, n=3, max_tokens=8, ignore_eos=True))
+    best = collect(engine)["free"][0][0]
+    stop_word = small_llama[2].decode([best[2]])
+    for kwargs, matched in [({"stop": [stop_word]}, stop_word), ({"stop_token_ids": [best[2]]}, best[2])]:
+        engine.add_request("s", prompt, beam_params(3, n=3, max_tokens=8, ignore_eos=True, **kwargs))
+        got = []
+        while engine.has_unfinished():
+            got += engine.step()
+        stopped = [d for d in got if d.finish_reason == "stop"]
+        assert stopped and all(d.matched_stop == matched for d in stopped), got
+        for d in stopped:
+            assert stop_word not in d.text
+            if "stop_token_ids" in kwargs:
+                assert d.token_ids[-1] == best[2] and best[2] not in d.token_ids[:-1]
+        assert all(len(d.token_ids) == 8 for d in got if d.finish_reason == "length")
+        assert used_blocks(engine) == 0
+
+
 def test_grpc_beam_search(server, client):
     """Over gRPC: n completions in score order, cumulative_logprob set, usage once; bad fields are
     INVALID_ARGUMENT naming them; the blocks are all free afterwards."""
