@@ -1,10 +1,12 @@
 """The CUDA attention backend against the torch backend, shared by the GPU tests (tests/gpu/test_cuda_backend_gpu.py)
 and the host-emulator tests (tests/test_cuda_backend_simt.py): one mixed step, and greedy generation through
-:class:`pagedserve.engine.llm_engine.LLMEngine` on a random-weight Llama."""
+:class:`pagedserve.engine.llm_engine.LLMEngine` on a random-weight Llama, and beam search with copy-on-write KV blocks
+(the backend's ``copy_blocks``)."""
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from pagedserve.attention.torch_ref import TorchAttentionBackend
@@ -103,3 +105,66 @@ def check_greedy_backends_agree(model, cfg, tokenizer, device: str, lengths, max
     assert all(len(t) == max_tokens for t in torch_out.values())
     assert len({tuple(t) for t in torch_out.values()}) > 1, "outputs should depend on the prompt"
     assert cuda_out == torch_out
+
+
+def check_backend_copy_blocks(device, backend, dtype=torch.float32):
+    """``backend.copy_blocks`` (copy-on-write) equals the reference index copy of the base class: 3 layers,
+    two copies in one call, other blocks untouched."""
+    from pagedserve.attention.torch_ref import TorchAttentionBackend
+
+    gen = torch.Generator().manual_seed(3)
+    caches = [tuple(torch.randn(12, 8, 2, 64, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+              for _ in range(3)]
+    expected = [(k.clone(), v.clone()) for k, v in caches]
+    copies = [(4, 9), (0, 5)]
+    TorchAttentionBackend().copy_blocks(expected, copies)
+    backend.copy_blocks(caches, copies)
+    assert all(torch.equal(a, b) for (k, v), (ek, ev) in zip(caches, expected) for a, b in ((k, ek), (v, ev)))
+    assert torch.equal(expected[1][0][9], expected[1][0][4]) and not torch.equal(expected[1][0][9],
+                                                                                caches[1][0][8])
+
+
+def beam_outputs(model, cfg, tokenizer, device: str, backend: str, prompts: list[list[int]], backend_impl=None,
+                 max_tokens: int = 6) -> tuple[dict, int]:
+    """Beam search (widths 2 and 3; short prompts, so forks share partial blocks) through LLMEngine; returns
+    ({request_id: [(token_ids, cumulative_logprob), ...]}, number of copy-on-write block copies made)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(device=device, dtype="float32", attention_backend=backend, num_kv_blocks=128,
+                          block_size=16, max_model_len=256, max_num_seqs=8)
+    engine, _ = build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg, backend=backend_impl)
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=2,
+                                beam_search={"beam_width": 2 + i % 2})
+        engine.add_request(f"r{i}", ids, params)
+    out: dict = {}
+    num_copies = 0
+    take = engine.kv_cache.take_block_copies
+
+    def counting_take():
+        nonlocal num_copies
+        copies = take()
+        num_copies += len(copies)
+        return copies
+
+    engine.kv_cache.take_block_copies = counting_take
+    while engine.has_unfinished():
+        for d in engine.step():
+            out.setdefault(d.request_id, []).append((d.token_ids, d.cumulative_logprob))
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    return out, num_copies
+
+
+def check_beam_backends_agree(model, cfg, tokenizer, device: str, cuda_backend=None):
+    """Beam search with the cuda backend (its copy_blocks kernel doing the copy-on-write) returns the torch
+    backend's sequences, logprobs within 1e-4; copies did happen."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(n)] for n in (5, 10, 7)]
+    cuda_out, cuda_copies = beam_outputs(model, cfg, tokenizer, device, "cuda", prompts, cuda_backend)
+    torch_out, torch_copies = beam_outputs(model, cfg, tokenizer, device, "torch", prompts)
+    assert cuda_copies > 0 and cuda_copies == torch_copies
+    assert [[t for t, _ in v] for v in cuda_out.values()] == [[t for t, _ in v] for v in torch_out.values()]
+    for rid, v in torch_out.items():
+        assert [c for _, c in cuda_out[rid]] == pytest.approx([c for _, c in v], abs=1e-4)

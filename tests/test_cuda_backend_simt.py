@@ -34,3 +34,18 @@ def test_greedy_generation_matches_torch_backend(sim):
     launched = {name.split("<")[0] for name, *_ in sim.launches}
     assert {"reshape_and_cache_kernel", "paged_decode_kernel", "paged_prefill_fp32_kernel", "rms_norm_kernel",
             "rotary_embedding_kernel", "silu_and_mul_kernel"} <= launched
+
+
+def test_copy_blocks_matches_index_copy(sim):
+    bc.check_backend_copy_blocks(torch.device("cpu"), CudaAttentionBackend())
+    assert any(name.startswith("copy_blocks_kernel") for name, *_ in sim.launches)
+
+
+def test_beam_search_copy_on_write_matches_torch_backend(sim):
+    """Beam search whose forks share partial blocks: the copies go through the copy_blocks kernel."""
+    model, cfg, tokenizer = bc.random_llama(torch.device("cpu"), num_hidden_layers=2, vocab_size=256,
+                                            hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=64)
+    before = sum(1 for name, *_ in sim.launches if name.startswith("copy_blocks_kernel"))
+    bc.check_beam_backends_agree(model, cfg, tokenizer, "cpu", cuda_backend=CudaAttentionBackend())
+    assert sum(1 for name, *_ in sim.launches if name.startswith("copy_blocks_kernel")) > before

@@ -150,3 +150,91 @@ def test_random_operations_keep_invariants(caching, ops):
     for r in live:
         kv.free(r)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_fork_shares_the_partial_block_and_the_first_write_copies_it():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request("a", [1, 2, 3, 4, 5, 6])
+    assert kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    b = make_request("b", [0])
+    kv.fork(a, b)
+    assert b.blocks == a.blocks and b.token_ids == a.token_ids and b.num_computed_tokens == 6
+    assert [blk.ref_cnt for blk in a.blocks] == [2, 2]
+    assert kv.take_block_copies() == []
+    b.append_output_token(9)
+    assert kv.blocks_to_allocate([(b, 1)]) == 1
+    a.append_output_token(8)
+    assert kv.blocks_to_allocate([(b, 1), (a, 1)]) == 1  # one copy: the second writer finds the block private
+    a.token_ids.pop()
+    assert kv.allocate_slots(b, 1)
+    (src, dst), = kv.take_block_copies()
+    assert src == a.blocks[1].block_id and dst == b.blocks[1].block_id != src
+    assert a.blocks[0] is b.blocks[0] and a.blocks[0].ref_cnt == 2 and a.blocks[1].ref_cnt == 1
+    a.append_output_token(8)
+    assert kv.allocate_slots(a, 1) and kv.take_block_copies() == []  # the last holder writes in place
+    check_invariants(kv, [a, b])
+    with pytest.raises(ValueError):
+        kv.fork(a, b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "fork", "free"]),
+                          st.integers(0, 7), st.integers(1, 11), st.integers(0, 2)), max_size=60))
+@pytest.mark.parametrize("caching", [True, False])
+def test_random_forks_with_copy_on_write_keep_invariants(caching, ops):
+    """Beam-style forks at any length (partial last blocks shared), appends that copy-on-write, prefix hits and
+    frees, against a model of the cache contents: ref counts equal holders, a block is written only while one
+    sequence holds it, every computed position holds its token (the copies are applied as the runner does), and
+    everything is free at the end."""
+    bs = 4
+    kv = KVCacheManager(num_blocks=16, block_size=bs, enable_prefix_caching=caching)
+    content: dict[int, list] = {b.block_id: [None] * bs for b in kv.pool.blocks}
+    live: list[Request] = []
+    counter = 0
+
+    def compute(r: Request, n: int, hits=None) -> None:
+        copies = kv.take_block_copies()
+        for src, dst in copies:  # the runner applies them before the forward
+            assert kv.pool.blocks[dst].ref_cnt == 1
+            content[dst] = list(content[src])
+        for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
+            block = r.blocks[pos // bs]
+            assert block.ref_cnt == 1, "wrote into a shared block"
+            content[block.block_id][pos % bs] = r.token_ids[pos]
+        r.num_computed_tokens += n
+
+    for op, idx, n, prefix in ops:
+        if op == "new":
+            counter += 1
+            r = make_request(f"r{counter}", [prefix] * 6 + list(range(counter * 100, counter * 100 + n)))
+            hits = kv.find_cached_prefix(r)
+            todo = r.num_tokens - len(hits) * bs
+            if kv.allocate_slots(r, todo, hits):
+                compute(r, todo)
+                live.append(r)
+            assert kv.take_block_copies() == []
+        elif live:
+            r = live[idx % len(live)]
+            if op == "append":
+                r.append_output_token(1000 + n)
+                if kv.allocate_slots(r, 1):
+                    compute(r, 1)
+                else:
+                    assert kv.take_block_copies() == []
+                    r.token_ids.pop()
+            elif op == "fork":
+                counter += 1
+                child = make_request(f"r{counter}", r.prompt_token_ids)
+                kv.fork(r, child)
+                live.append(child)
+            else:
+                kv.free(r)
+                live.remove(r)
+        check_invariants(kv, live)
+        for r in live:
+            for pos in range(r.num_computed_tokens):
+                assert content[r.blocks[pos // bs].block_id][pos % bs] == r.token_ids[pos], (r.request_id, pos)
+    for r in live:
+        kv.free(r)
+    assert kv.num_free_blocks == kv.num_blocks

@@ -182,11 +182,13 @@ def generate_request(
     request_id: str = "",
     priority: int = 0,
     cache_salt: str = "",
+    beam_search: Mapping[str, Any] | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """Build a GenerateRequest with exactly one input (prompt | prompt_token_ids | messages).
 
-    `sampling` takes the keyword arguments of sampling_params(). Raises ValueError unless exactly one input is
+    `sampling` takes the keyword arguments of sampling_params(). `beam_search`: the BeamSearchParams fields
+    (beam_width, length_penalty, early_stopping) to run beam search. Raises ValueError unless exactly one input is
     given, TypeError for an unknown sampling keyword.
     """
     given = [name for name, value in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
@@ -195,6 +197,8 @@ def generate_request(
         raise ValueError(f"give exactly one of prompt, prompt_token_ids, messages (got {given or 'none'})")
     request = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt,
                                  sampling=sampling_params(**sampling))
+    if beam_search is not None:
+        request.beam_search.CopyFrom(pb.BeamSearchParams(**beam_search))
     if prompt is not None:
         request.prompt = prompt
     elif prompt_token_ids is not None:

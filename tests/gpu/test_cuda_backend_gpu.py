@@ -38,3 +38,12 @@ def test_greedy_generation_matches_torch_backend(smollm_shaped):
     """fp32, chunked prefill (256-token budget), more requests than max_num_seqs, a shared 64-token prefix; the
     cuda backend also runs the fused RMSNorm / rotary / SiLU-and-mul kernels."""
     bc.check_greedy_backends_agree(*smollm_shaped, "cuda", (3, 17, 64, 129, 300, 77, 500, 9, 33), max_tokens=24)
+
+
+def test_copy_blocks_matches_index_copy():
+    bc.check_backend_copy_blocks(DEV, CudaAttentionBackend())
+
+
+def test_beam_search_copy_on_write_matches_torch_backend(smollm_shaped):
+    """Beam search (widths 2 and 3, short prompts): the copy-on-write copies run the copy_blocks kernel."""
+    bc.check_beam_backends_agree(*smollm_shaped, "cuda")

@@ -389,6 +389,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    BEAM_SEARCH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; the server assigns a unique id when empty and echoes it in every response."""
     prompt: _builtins.str
@@ -407,6 +408,14 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
+    @_builtins.property
+    def beam_search(self) -> Global___BeamSearchParams:
+        """Beam search instead of sampling (HF transformers' num_beams semantics). The best sampling.n beams come back
+        as completions 0..n-1 in score order, each in one message at the end, with cumulative_logprob set. Requires
+        temperature 0 (the default when this is set) and default top_p/top_k/min_p/penalties/logit_bias, no logprobs
+        or structured output, n <= beam_width.
+        """
+
     def __init__(
         self,
         *,
@@ -417,16 +426,52 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
+        beam_search: Global___BeamSearchParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["beam_search", b"beam_search", "input", b"input", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "input", b"input", "messages", b"messages", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beam_search", b"beam_search", "cache_salt", b"cache_salt", "input", b"input", "messages", b"messages", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "prompt_token_ids", "messages"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class BeamSearchParams(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BEAM_WIDTH_FIELD_NUMBER: _builtins.int
+    LENGTH_PENALTY_FIELD_NUMBER: _builtins.int
+    EARLY_STOPPING_FIELD_NUMBER: _builtins.int
+    beam_width: _builtins.int
+    """Beams kept each step, >= 2."""
+    length_penalty: _builtins.float
+    """A finished beam scores cumulative_logprob / generated_tokens ** length_penalty. Default 1.0."""
+    early_stopping: _builtins.bool
+    """Stop as soon as beam_width hypotheses are finished. Default false."""
+    def __init__(
+        self,
+        *,
+        beam_width: _builtins.int = ...,
+        length_penalty: _builtins.float | None = ...,
+        early_stopping: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_early_stopping", b"_early_stopping", "_length_penalty", b"_length_penalty", "early_stopping", b"early_stopping", "length_penalty", b"length_penalty"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_early_stopping", b"_early_stopping", "_length_penalty", b"_length_penalty", "beam_width", b"beam_width", "early_stopping", b"early_stopping", "length_penalty", b"length_penalty"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__early_stopping: _TypeAlias = _typing.Literal["early_stopping"]  # noqa: Y015
+    _WhichOneofArgType__early_stopping: _TypeAlias = _typing.Literal["_early_stopping", b"_early_stopping"]  # noqa: Y015
+    _WhichOneofReturnType__length_penalty: _TypeAlias = _typing.Literal["length_penalty"]  # noqa: Y015
+    _WhichOneofArgType__length_penalty: _TypeAlias = _typing.Literal["_length_penalty", b"_length_penalty"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__early_stopping) -> _WhichOneofReturnType__early_stopping | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__length_penalty) -> _WhichOneofReturnType__length_penalty | None: ...
+
+Global___BeamSearchParams: _TypeAlias = BeamSearchParams  # noqa: Y015
 
 @_typing.final
 class TopLogprob(_message.Message):
@@ -537,6 +582,7 @@ class GenerateResponse(_message.Message):
     MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     index: _builtins.int
     """Which of the n completions this message belongs to."""
@@ -546,6 +592,8 @@ class GenerateResponse(_message.Message):
     """UNSPECIFIED while the completion runs; set on its last message."""
     matched_stop_str: _builtins.str
     matched_stop_token_id: _builtins.int
+    cumulative_logprob: _builtins.float
+    """Beam search: the completion's summed token logprobs (its score is this / tokens ** length_penalty)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """New token ids since this completion's previous message."""
@@ -575,13 +623,19 @@ class GenerateResponse(_message.Message):
         matched_stop_token_id: _builtins.int = ...,
         usage: Global___Usage | None = ...,
         prompt_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        cumulative_logprob: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cumulative_logprob", b"_cumulative_logprob", "cumulative_logprob", b"cumulative_logprob", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cumulative_logprob", b"_cumulative_logprob", "cumulative_logprob", b"cumulative_logprob", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cumulative_logprob: _TypeAlias = _typing.Literal["cumulative_logprob"]  # noqa: Y015
+    _WhichOneofArgType__cumulative_logprob: _TypeAlias = _typing.Literal["_cumulative_logprob", b"_cumulative_logprob"]  # noqa: Y015
     _WhichOneofReturnType_matched_stop: _TypeAlias = _typing.Literal["matched_stop_str", "matched_stop_token_id"]  # noqa: Y015
     _WhichOneofArgType_matched_stop: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cumulative_logprob) -> _WhichOneofReturnType__cumulative_logprob | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_matched_stop) -> _WhichOneofReturnType_matched_stop | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015

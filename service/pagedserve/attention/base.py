@@ -92,3 +92,18 @@ class AttentionBackend(abc.ABC):
         Raises:
             ValueError: on a dtype, shape or device mismatch.
         """
+
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    block_copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of KV blocks (PagedAttention's beam search): for each ``(src, dst)`` block id pair, block
+        ``src`` of every layer's K and V cache (``[num_blocks, block_size, num_kv_heads, head_dim]``) is copied
+        into block ``dst``. Destinations are distinct and never a source of the same call. This reference version
+        is one index copy per cache; backends with kernels override it."""
+        if not block_copies:
+            return
+        device = kv_caches[0][0].device
+        src = torch.tensor([s for s, _ in block_copies], dtype=torch.int64, device=device)
+        dst = torch.tensor([d for _, d in block_copies], dtype=torch.int64, device=device)
+        for k_cache, v_cache in kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

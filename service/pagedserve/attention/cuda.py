@@ -66,6 +66,18 @@ class CudaAttentionBackend(AttentionBackend):
                                             num_prefill_seqs=num_seqs - nd, max_query_len=max_query_len)
         return out
 
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    block_copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write through the ``copy_blocks`` kernel (cuda/cache_ops.cu): all layers and pairs in one launch
+        per 65535 pairs. Same result as the base class's index copy."""
+        if not block_copies:
+            return
+        k_caches = [k for k, _ in kv_caches]
+        v_caches = [v for _, v in kv_caches]
+        mapping = torch.tensor(block_copies, dtype=torch.int64).to(k_caches[0].device)
+        for start in range(0, mapping.shape[0], 65535):
+            kernels.copy_blocks(k_caches, v_caches, mapping[start:start + 65535].contiguous())
+
 
 def cuda_backend_error(device: torch.device | str) -> str | None:
     """Why the CUDA backend cannot run on ``device``, or None when it can (torch sees the GPU, it is sm_80 or

@@ -13,6 +13,7 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import DuplicateRequestError, InvalidInputError, QueueFullError
+from .beam_engine import BeamGroup, BeamSearcher
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache.manager import KVCacheManager
 from .model_runner import ModelRunner, StepResult
@@ -56,6 +57,7 @@ class CompletionDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the request's first delta, when asked for
     error: Exception | None = None                   # set when processing this request failed (it is aborted)
     embedding: torch.Tensor | None = None            # pooling requests: last token's final hidden state [hidden] fp32
+    cumulative_logprob: float | None = None          # beam search: the completion's summed token logprobs
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class RequestGroup:
     request_id: str
     children: list[Request]
     num_finished: int = 0
+    beam: BeamGroup | None = None   # beam search: the group (its live beams replace ``children``)
 
 
 class LLMEngine:
@@ -102,6 +105,7 @@ class LLMEngine:
         self.proposer = build_proposer(self.speculative) if self.speculative else None
         self.num_draft_tokens = 0                 # drafts verified since start-up
         self.num_accepted_tokens = 0              # of those, accepted
+        self.beams = BeamSearcher(self.scheduler, tokenizer, max_model_len)  # beam search groups
         self.num_steps = 0
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
 
@@ -134,6 +138,10 @@ class LLMEngine:
                                     "sampling.max_tokens")
         if not self.scheduler.can_admit(params.n):
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.num_waiting} requests)")
+        if params.beam_search is not None:
+            leader = self.beams.add(request_id, ids, params, self.eos_token_ids, priority, cache_salt or None)
+            self.groups[request_id] = RequestGroup(request_id, [leader], beam=leader.beam)
+            return [leader]
         compiling, compiled = None, None
         if params.structured_output is not None:
             compiling = self.grammars.submit(params.structured_output)
@@ -245,6 +253,10 @@ class LLMEngine:
             if group is None:
                 continue
             aborted.append(rid)
+            if group.beam is not None:
+                del self.groups[rid]
+                deltas.extend(self.beams.abort(group.beam))
+                continue
             for req in group.children:
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -278,7 +290,11 @@ class LLMEngine:
         result = self.runner.execute(sched)
         self.scheduler.update(sched)
         self.num_steps += 1
+        if sched.preempted:
+            self.beams.on_preempted(sched.preempted)
         deltas = self._process(result)
+        if result.beam_logprobs:
+            deltas += self._process_beams(result.beam_logprobs)
         if self._forking:
             self._release_forks()
         return early + deltas if early else deltas
@@ -295,7 +311,7 @@ class LLMEngine:
         todo, room = [], []
         for req in running:
             req.spec_token_ids, req.spec_bitmask = [], None
-            if off or req.pooling or req.num_tokens - req.num_computed_tokens != 1:
+            if off or req.pooling or req.beam is not None or req.num_tokens - req.num_computed_tokens != 1:
                 continue
             n = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if n > 0:
@@ -346,6 +362,14 @@ class LLMEngine:
                 delta.error = exc
                 self._finish_delta(req, delta)
             deltas.append(delta)
+        return deltas
+
+    def _process_beams(self, rows) -> list[CompletionDelta]:
+        """Beam groups step on their logprob rows; the ones that ended leave ``groups``."""
+        deltas = self.beams.process(rows)
+        for d in deltas:
+            if d.usage is not None:
+                self.groups.pop(d.request_id, None)
         return deltas
 
     def _append_token(self, req: Request, token: int, logprobs, delta: CompletionDelta) -> None:

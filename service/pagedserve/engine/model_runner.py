@@ -58,6 +58,8 @@ class StepResult:
     prompt_logprobs: dict[Request, list[TokenLogprobs]] | None = None  # request -> this step's prompt positions
     pooled: list[ScheduledRequest] = field(default_factory=list)  # pooling requests whose prompt ended this step
     pooled_hidden: torch.Tensor | None = None  # [len(pooled), hidden] float32 CPU: their last tokens' final states
+    beam_logprobs: dict[Request, torch.Tensor] | None = None  # beam search beams that sampled -> next-token
+                                         # log-softmax [vocab] float32 CPU (not in `sampled`)
 
 
 class ModelRunner:
@@ -129,6 +131,8 @@ class ModelRunner:
         entries = sorted(sched.scheduled, key=lambda e: (e.num_new_tokens != 1,
                                                          -e.request.num_computed_tokens if e.num_new_tokens == 1 else 0))
         input_ids, positions, meta = self.prepare(entries)
+        if sched.block_copies:  # copy-on-write of shared KV blocks, before anything writes them
+            self.backend.copy_blocks(self.kv_caches, sched.block_copies)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         prompt_lps = self._prompt_logprobs(entries, hidden)
         sampled, sample_rows, pooled, pooled_rows, pos = [], [], [], [], 0
@@ -143,17 +147,37 @@ class ModelRunner:
         pooled_hidden = None
         if pooled:  # last-token pooling over the final (normed) hidden states: HF's last_hidden_state[:, -1]
             pooled_hidden = hidden[torch.tensor(pooled_rows, device=hidden.device)].float().cpu()
+        beam_lps = None
+        if any(e.request.beam is not None for e in sampled):  # (beams have no drafts: one row each)
+            beam_lps, sampled, sample_rows = self._beam_logprobs(hidden, sampled, sample_rows)
         if not sampled:
-            return StepResult([], None, prompt_lps, pooled, pooled_hidden)
+            return StepResult([], None, prompt_lps, pooled, pooled_hidden, beam_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
         if any(e.draft_token_ids for e in sampled):
             return StepResult(sampled, self.sampler.verify(logits, verify_rows(sampled),
                                                            [e.draft_token_ids for e in sampled]),
-                              prompt_lps, pooled, pooled_hidden)
+                              prompt_lps, pooled, pooled_hidden, beam_lps)
         rows = [SamplingRow(params=e.request.params, prompt_token_ids=e.request.prompt_token_ids,
                             output_token_ids=e.request.output_token_ids, generator=e.request.generator,
                             eos_token_ids=e.request.eos_token_ids, grammar=e.request.grammar) for e in sampled]
-        return StepResult(sampled, self.sampler(logits, rows), prompt_lps, pooled, pooled_hidden)
+        return StepResult(sampled, self.sampler(logits, rows), prompt_lps, pooled, pooled_hidden, beam_lps)
+
+    def _beam_logprobs(self, hidden: torch.Tensor, sampled: list[ScheduledRequest], sample_rows: list[int]):
+        """Split beam search rows off: their full next-token log-softmax (fp32, as HF's beam search computes it)
+        keyed by request; returns (that, the other sampled entries, their hidden-state rows)."""
+        beam_rows, rest, rest_rows, k = [], [], [], 0
+        for e in sampled:
+            n = 1 + len(e.draft_token_ids)
+            if e.request.beam is not None:
+                beam_rows.append(sample_rows[k])
+            else:
+                rest.append(e)
+                rest_rows.extend(sample_rows[k:k + n])
+            k += n
+        logits = self.model.compute_logits(hidden[torch.tensor(beam_rows, device=hidden.device)])
+        lps = torch.log_softmax(logits.float(), dim=-1).cpu()
+        beams = [e.request for e in sampled if e.request.beam is not None]
+        return dict(zip(beams, lps)), rest, rest_rows
 
     def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor):
         """Logprobs of prompt tokens 1..P-1 computed in this step, for requests that asked (``prompt_logprobs=k``).

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from .beam_engine import BeamGroup
     from .kv_cache.block_pool import KVBlock
     from .structured_output.grammar import GrammarMatcher
     from .sampling_params import SamplingParams
@@ -65,6 +66,8 @@ class Request:
                                             # step (not part of token_ids until verified); cleared by the scheduler
     spec_bitmask: "torch.Tensor | None" = None  # structured output with drafts: [1 + drafts, W] int32 CPU, the
                                             # grammar's next-token bitmask at each draft position
+    beam: "BeamGroup | None" = None         # beam search: the group of this beam; the scheduler runs, preempts and
+                                            # readmits a group's live beams (``beam.beams``) as one unit
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
+from pagedserve.engine.beam_search import BeamSearchParams
 from pagedserve.engine.structured_output.params import StructuredOutput
 from pagedserve.errors import InvalidInputError
 
@@ -97,6 +98,30 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id; <= 1024
     truncate_prompt_tokens: int | None = None  # >= 1: keep only the last k prompt tokens
     structured_output: StructuredOutput | None = None  # a constraint on the text (a mapping is converted)
+    beam_search: BeamSearchParams | None = None  # beam search instead of sampling (a mapping is converted); then
+                                         # temperature must be 0, n <= beam_width, and the fields that reshape or
+                                         # report the distribution (top_p/k, min_p, penalties, logit_bias, logprobs,
+                                         # structured_output) keep their defaults
+
+    def _check_beam_search(self) -> None:
+        """With ``beam_search``: only greedy-compatible fields (HF ``do_sample=False`` beam search)."""
+        if isinstance(self.beam_search, Mapping):
+            object.__setattr__(self, "beam_search", BeamSearchParams(**self.beam_search))
+        beam = self.beam_search
+        if beam is None:
+            return
+        if not isinstance(beam, BeamSearchParams):
+            raise InvalidInputError(f"must be a BeamSearch message, got {beam!r}", "beam_search")
+        if not self.greedy:
+            _fail("temperature", f"must be 0 with beam_search, got {self.temperature}")
+        if self.n > beam.beam_width:
+            _fail("n", f"must be <= beam_search.beam_width ({beam.beam_width}), got {self.n}")
+        defaults = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "repetition_penalty": 1.0, "logit_bias": (), "logprobs": None, "prompt_logprobs": None,
+                    "structured_output": None}
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                _fail(name, f"is not supported with beam_search (got {getattr(self, name)!r})")
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
@@ -127,6 +152,7 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, lo=0, optional=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, optional=True)
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, lo=1, optional=True)
+        self._check_beam_search()
 
     def _normalize_sequences(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

@@ -5,6 +5,10 @@ Each step: running requests first, in admission order (decodes and unfinished pr
 requests by (priority, arrival). A request gets ``min(tokens left to compute, budget left, long_prefill_threshold)``
 new tokens. When blocks run out, the last admitted running request is preempted: its blocks are freed and it goes
 back to the front of the waiting queue, to be recomputed later (the prefix cache usually brings most of it back).
+
+A beam search group (``request.beam``) is one unit: its live beams sit next to each other in ``running``, get their
+blocks (copy-on-write copies included) all or none, are preempted together, and wait as one entry (the first live
+beam) to be readmitted together. The KV copy-on-write copies of a step ride on :attr:`SchedulerOutput.block_copies`.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # this step's work, in scheduling order
     preempted: list[Request] = field(default_factory=list)           # requests preempted during this step
     num_batched_tokens: int = 0                                      # sum of num_new_tokens
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) block ids to copy
+                                                                     # in every layer before this step's forward
 
     @property
     def is_empty(self) -> bool:
@@ -89,6 +95,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.beam is not None:
+                taken = self._schedule_beams(i, out, budget)
+                if taken is None:
+                    break  # the group itself was preempted: nothing after it can be running
+                i, budget = i + taken[0], taken[1]
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_token_threshold)
             if n <= 0:
                 i += 1
@@ -101,7 +113,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv_cache.allocate_slots(req, n):
-                victim = self.running.pop()            # the last admitted request
+                victim = self.running[-1]              # the last admitted request (or beam group)
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -114,7 +126,35 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.block_copies = self.kv_cache.take_block_copies()
         return out
+
+    def _schedule_beams(self, i: int, out: SchedulerOutput, budget: int) -> tuple[int, int] | None:
+        """Schedule the beam group whose beams start at ``running[i]``, all its blocks at once (preempting later
+        requests, or the group itself, when they do not fit). Returns (beams passed, budget left), or None when the
+        group was preempted."""
+        group = self.running[i].beam
+        count = len(group.beams)
+        beams = self.running[i:i + count]
+        assert all(b.beam is group for b in beams), "a beam group's beams must be contiguous in running"
+        plan, left = [], budget
+        for b in beams:
+            n = max(0, min(b.num_tokens - b.num_computed_tokens, left, self.long_prefill_token_threshold))
+            plan.append((b, n))
+            left -= n
+        need = self.kv_cache.blocks_to_allocate(plan)
+        while need > self.kv_cache.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim.beam is group:
+                return None
+        for b, n in plan:
+            b.spec_token_ids = []
+            if n > 0:
+                if not self.kv_cache.allocate_slots(b, n):
+                    raise AssertionError("beam group allocation failed after its blocks were counted")
+                out.scheduled.append(ScheduledRequest(b, n, b.num_computed_tokens + n == b.num_tokens))
+        return count, left
 
     def _schedule_drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Speculative drafts for a decoding request: as many of ``req.spec_token_ids`` as fit in the budget after
@@ -131,6 +171,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting[0][3]
+            if req.beam is not None:
+                left = self._admit_beams(req.beam, out, budget)
+                if left is None:
+                    break
+                budget = left
+                continue
             cached = self.kv_cache.find_cached_prefix(req) if not req.blocks else []
             num_cached = len(cached) * self.kv_cache.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, self.long_prefill_token_threshold)
@@ -145,7 +191,52 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _admit_beams(self, group, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit all live beams of a waiting beam group, or none: it needs seats for beam_width beams and, as an
+        upper bound, blocks for every beam's whole sequence (the prefix cache may share some: each beam looks it up
+        after the previous one registered its blocks). Returns the budget left, or None when it does not fit."""
+        beams = group.beams
+        if self.running and len(self.running) + group.width > self.max_num_seqs:
+            return None
+        if sum(self.kv_cache.blocks_needed(b.num_tokens) for b in beams) > self.kv_cache.num_free_blocks:
+            return None
+        heapq.heappop(self._waiting)
+        for b in beams:
+            cached = self.kv_cache.find_cached_prefix(b) if not b.blocks else []
+            num_cached = len(cached) * self.kv_cache.block_size
+            n = max(0, min(b.num_tokens - b.num_computed_tokens - num_cached, budget,
+                           self.long_prefill_token_threshold))
+            if not self.kv_cache.allocate_slots(b, n, cached):
+                raise AssertionError("beam group admission failed after its blocks were counted")
+            if b.num_cached_tokens < 0:
+                b.num_cached_tokens = num_cached
+            b.status = RequestStatus.RUNNING
+            self.running.append(b)
+            if n > 0:
+                out.scheduled.append(ScheduledRequest(b, n, b.num_computed_tokens + n == b.num_tokens))
+            budget -= n
+        return budget
+
+    def insert_beam(self, parent: Request, child: Request) -> None:
+        """Put a new beam forked from running ``parent`` (its blocks already shared) right after it in running."""
+        child.status = RequestStatus.RUNNING
+        self.running.insert(self.running.index(parent) + 1, child)
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Preempt ``req`` (the last running request), or its whole beam group: blocks freed, back to waiting."""
+        if req.beam is None:
+            self.running.pop()
+            self._preempt_one(req, out)
+            self._push_front(req)
+            return
+        group = req.beam
+        self.running = [r for r in self.running if r.beam is not group]
+        for b in group.beams:
+            self._preempt_one(b, out)
+        self.num_preemptions -= len(group.beams) - 1   # one preemption per group
+        self._push_front(group.beams[0])
+
+    def _preempt_one(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
@@ -154,7 +245,6 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
-        self._push_front(req)
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` after the step's forward ran (before new tokens are appended). With

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from ..engine.beam_search import BeamSearchParams
 from ..engine.llm_engine import Usage
 from ..engine.sampler import TokenLogprobs
 from ..engine.sampling_params import SamplingParams
@@ -59,7 +60,28 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
     constraint = structured_output(body)
     if constraint is not None:
         kwargs["structured_output"] = constraint[0]
+    if body.use_beam_search:
+        kwargs["beam_search"] = beam_search(body)
+        kwargs.setdefault("temperature", 0.0)
     return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def beam_search(body: ChatCompletionRequest | CompletionRequest) -> BeamSearchParams:
+    """vLLM's ``use_beam_search`` extra: beam width ``n`` (so n >= 2), ``length_penalty``, ``early_stopping``.
+
+    Raises:
+        InvalidInputError: n < 2, or a bad length_penalty / early_stopping (the field as the body names it).
+    """
+    if body.n < 2:
+        raise InvalidInputError(f"must be >= 2 with use_beam_search (it is the beam width), got {body.n}",
+                                "sampling.n")
+    try:
+        return BeamSearchParams(body.n, 1.0 if body.length_penalty is None else body.length_penalty,
+                                bool(body.early_stopping))
+    except InvalidInputError as exc:
+        name = exc.field.removeprefix("beam_search.")
+        raise InvalidInputError(str(exc).removeprefix(f"{exc.field}: "), "n" if name == "beam_width" else name) \
+            from None
 
 
 # vLLM's structured_outputs keys -> StructuredOutput fields; option keys accepted and ignored (this server's JSON

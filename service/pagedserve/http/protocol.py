@@ -53,6 +53,9 @@ class _SamplingBody(_Body):
     cache_salt: str | None = None
     truncate_prompt_tokens: int | None = None
     request_id: str | None = None        # vLLM: the engine request id (default: random)
+    use_beam_search: bool = False        # vLLM: beam search with beam width n; n completions in score order
+    length_penalty: float | None = None  # vLLM (beam search): HF's length_penalty, default 1.0
+    early_stopping: bool | None = None   # vLLM (beam search): HF's early_stopping, default false
     # Structured output, one of: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_*.
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     structured_outputs: dict | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}

@@ -9,6 +9,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from pagedserve_client.v1 import inference_pb2 as pb
 
+from ..engine.beam_search import BeamSearchParams
 from ..engine.llm_engine import CompletionDelta
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import StructuredOutput
@@ -21,7 +22,7 @@ _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "l
 _FLOAT_TYPES = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
 
 
-def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+def sampling_from_proto(msg: pb.SamplingParams, beam_search: pb.BeamSearchParams | None = None) -> SamplingParams:
     """Build engine SamplingParams from every field of the message: unset optional fields keep the engine's
     defaults, an explicit 0 means 0; repeated fields become tuples, the ``logit_bias`` map sorted pairs, a set
     message field goes through its converter in ``_MESSAGE_FIELDS`` (``structured_output``).
@@ -41,7 +42,21 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
                 kwargs[fd.name] = _MESSAGE_FIELDS[fd.name](value)
         elif msg.HasField(fd.name):
             kwargs[fd.name] = float(value) if fd.cpp_type in _FLOAT_TYPES else value
+    if beam_search is not None:  # beam search is greedy: temperature defaults to 0 with it
+        kwargs.setdefault("temperature", 0.0)
+        kwargs["beam_search"] = beam_search_from_proto(beam_search)
     return SamplingParams(**kwargs)
+
+
+def beam_search_from_proto(msg: pb.BeamSearchParams) -> BeamSearchParams:
+    """BeamSearchParams from the message (unset optional fields: length_penalty 1.0, early_stopping false).
+
+    Raises:
+        InvalidInputError: beam_width < 2 or too large, length_penalty not finite (``beam_search.<field>``).
+    """
+    return BeamSearchParams(int(msg.beam_width),
+                            float(msg.length_penalty) if msg.HasField("length_penalty") else 1.0,
+                            bool(msg.early_stopping) if msg.HasField("early_stopping") else False)
 
 
 def structured_output_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
@@ -86,7 +101,8 @@ def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:
 
 def generate_call_from_proto(req: pb.GenerateRequest) -> GenerateCall:
     """A :class:`GenerateCall` from a GenerateRequest (empty request_id / cache_salt mean none)."""
-    return GenerateCall(prompt_from_proto(req), sampling_from_proto(req.sampling), req.request_id or None,
+    beam = req.beam_search if req.HasField("beam_search") else None
+    return GenerateCall(prompt_from_proto(req), sampling_from_proto(req.sampling, beam), req.request_id or None,
                         req.priority, req.cache_salt or None)
 
 
@@ -129,6 +145,8 @@ def delta_to_proto(d: CompletionDelta, tokenizer) -> pb.GenerateResponse:
         msg.matched_stop_str = d.matched_stop
     elif d.matched_stop is not None:
         msg.matched_stop_token_id = d.matched_stop
+    if d.cumulative_logprob is not None:
+        msg.cumulative_logprob = d.cumulative_logprob
     if d.usage is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=d.usage.prompt_tokens, completion_tokens=d.usage.completion_tokens,
                                     cached_prompt_tokens=d.usage.cached_prompt_tokens))

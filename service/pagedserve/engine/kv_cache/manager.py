@@ -1,6 +1,11 @@
 """KV cache manager: block tables, prefix-cache lookups and the accounting the scheduler relies on.
 
-Only full, immutable blocks are ever shared; a request's last partial block is private. Full blocks are hashed as a
+Full, immutable blocks are shared through the prefix cache and between ``n > 1`` completions. Beam search also forks a
+sequence with all its blocks, its partial last block included (PagedAttention, Kwon et al. 2023, section 4.4): a step
+that is about to write into a block held by more than one sequence first gives the writer a private copy
+(copy-on-write). The copies are recorded as ``(src, dst)`` block ids, taken by the scheduler with
+:meth:`KVCacheManager.take_block_copies` and applied by the model runner before that step's forward, so nothing shared is
+ever written. Full blocks are hashed as a
 chain ``sha256(parent_hash, token_ids, extra_keys)`` (vLLM v1's automatic prefix caching) and cached as soon as the
 step that computes them is scheduled: within one forward, every layer writes the step's K/V before any attention
 reads them, so a request scheduled later in the same step may already use them.
@@ -48,6 +53,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.stats = PrefixCacheStats()
+        self._block_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) block ids not yet taken
 
     @property
     def num_blocks(self) -> int:
@@ -116,16 +122,69 @@ class KVCacheManager:
         num_new_blocks = self.blocks_needed(total) - len(request.blocks) - len(cached_blocks)
         # Cached hits sitting in the free queue count as free now but stop being free once touched.
         revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - revived:
+        shared = self._shared_written(request, num_new_tokens)
+        if max(num_new_blocks, 0) + len(shared) > self.pool.num_free_blocks - revived:
             return False
         if cached_blocks:
             self.pool.touch(cached_blocks)
             request.blocks.extend(cached_blocks)
             request.num_computed_tokens = num_computed
+        for i in shared:
+            self._copy_on_write(request, i)
         if num_new_blocks > 0:
             request.blocks.extend(self.pool.allocate(num_new_blocks))
         self._cache_full_blocks(request, total)
         return True
+
+    def blocks_to_allocate(self, plan: list[tuple[Request, int]]) -> int:
+        """Blocks that :meth:`allocate_slots` (without cached blocks) for each ``(request, num_new_tokens)`` of
+        ``plan``, in order, would take from the pool: new blocks plus copies. A block shared by ``m`` sequences is
+        copied at most ``m - 1`` times: its last writer finds it private."""
+        num, writers = 0, {}
+        for request, n in plan:
+            num += max(self.blocks_needed(request.num_computed_tokens + n) - len(request.blocks), 0)
+            for i in self._shared_written(request, n):
+                block = request.blocks[i]
+                writers[block] = writers.get(block, 0) + 1
+        return num + sum(min(w, block.ref_cnt - 1) for block, w in writers.items())
+
+    def _shared_written(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indices of the request's existing blocks that the next ``num_new_tokens`` tokens write and that another
+        sequence also holds (a beam fork's partial block): each needs a copy first."""
+        if num_new_tokens <= 0:
+            return []
+        first = request.num_computed_tokens // self.block_size
+        last = min(len(request.blocks), self.blocks_needed(request.num_computed_tokens + num_new_tokens))
+        return [i for i in range(first, last) if request.blocks[i].ref_cnt > 1]
+
+    def _copy_on_write(self, request: Request, i: int) -> None:
+        """Give ``request`` a private copy of its block ``i``; the copy itself is recorded for the model runner."""
+        old = request.blocks[i]
+        new = self.pool.allocate(1)[0]
+        self._block_copies.append((old.block_id, new.block_id))
+        self.pool.free([old])
+        request.blocks[i] = new
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Make ``child`` a copy of ``parent`` that shares every block of it, the partial last one included (one
+        more reference each); tokens, progress and the block hashes are copied. ``child`` must hold no blocks.
+
+        Raises:
+            ValueError: ``child`` already holds blocks.
+        """
+        if child.blocks:
+            raise ValueError(f"fork target {child.request_id!r} already holds KV blocks")
+        self.pool.touch(parent.blocks)
+        child.blocks = list(parent.blocks)
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write ``(src, dst)`` block ids recorded since the last call, in order; clears them."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash and register the blocks that are full once ``num_tokens`` tokens are computed."""
