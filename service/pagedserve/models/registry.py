@@ -23,12 +23,13 @@ def architecture_of(config) -> str:
 
 
 def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device | str,
-                quantization: str = "none", quant_group_size: int = 32) -> torch.nn.Module:
+                quantization: str = "none", quant_group_size: int = 32, tp=None) -> torch.nn.Module:
     """Instantiate the registered class for ``config`` and load its weights.
 
     quantization: "none" (every weight in ``dtype``), "int8", "int4" or "auto" (a GGUF file keeps its own scheme
     where a kernel exists; an HF checkpoint stays unquantized); see :mod:`.quant_load`. quant_group_size: the int4
     group size for weights quantized at load. The model's ``quantization`` attribute then says what was built.
+    tp: this rank's :class:`~.layers.TPGroup` (None: the whole model); each tensor is cut to the rank's part as read.
 
     Raises:
         ValueError: for an architecture not in :data:`MODEL_REGISTRY`, a checkpoint that does not fit it, or an
@@ -42,7 +43,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     scheme = resolve_scheme(quantization, source.gguf_file is not None, torch.device(device))
     plan = None if scheme == "none" else QuantPlan(scheme, quant_group_size, dtype)
     with torch.device("meta"):
-        model = MODEL_REGISTRY[arch](config)
+        model = MODEL_REGISTRY[arch](config) if tp is None or tp.size == 1 else MODEL_REGISTRY[arch](config, tp)
         if plan is not None:
             prepare_model(model, model._shards_of)
     model = model.to_empty(device="cpu").to(dtype)

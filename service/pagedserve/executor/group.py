@@ -1,0 +1,50 @@
+"""Process-group set-up for tensor parallelism: the compute group (gloo on CPU, NCCL on CUDA, a short timeout) and
+the control group (gloo, no practical timeout) rank 0 broadcasts each step's inputs on."""
+from __future__ import annotations
+
+import ctypes
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..models.layers import TPGroup
+
+CONTROL_TIMEOUT = timedelta(days=365)   # workers wait for the next step as long as the server lives
+
+
+def init_groups(rank: int, size: int, device: torch.device, init_method: str, timeout_s: float):
+    """Join the group (every rank calls this; it blocks until all have). Returns ``(TPGroup, control group)``.
+
+    init_method: ``tcp://host:port`` or ``env://`` (torchrun's MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE).
+    Raises RuntimeError / DistBackendError when the rendezvous fails or times out.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(rank, size, None), control
+
+
+def send(control, message) -> None:
+    """Rank 0: broadcast a picklable message (tensors on CPU) to every worker."""
+    dist.broadcast_object_list([message], src=0, group=control)
+
+
+def receive(control):
+    """Workers: the next message rank 0 broadcast."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), so no worker
+    outlives a server that was killed without a chance to stop it. A no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
