@@ -107,3 +107,56 @@ def run_group(size: int, fn_name: str, *args, timeout_s: float = 240) -> dict[in
     for rank, value in out.items():
         assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
     return out
+
+
+def save_random_llama(directory: str, num_heads: int = 4, num_kv_heads: int = 2) -> None:
+    """An HF Llama checkpoint (safetensors, config, a word tokenizer) with random N(0, 0.1) weights and an untied
+    head: 2 layers, hidden 64, head_dim 16, vocab 512 (small enough to load in every spawned rank at once)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from backend_cases import word_tokenizer
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=16,
+                      max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    word_tokenizer(cfg.vocab_size).save_pretrained(directory)
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    """float32 ``[T, vocab]`` logits of one prefill of ``ids`` through a pagedserve model (torch attention, a
+    fresh KV cache of this rank's heads)."""
+    from pagedserve.attention.base import AttentionMetadata
+    from pagedserve.attention.torch_ref import TorchAttentionBackend
+    from pagedserve.engine.model_runner import allocate_kv_caches
+
+    T, bs = len(ids), 16
+    nb = -(-T // bs)
+    kv = allocate_kv_caches(model.num_layers, nb, bs, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    i32 = dict(dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(T), block_tables=torch.arange(nb, **i32)[None],
+        context_lens=torch.tensor([T], **i32), query_start_loc=torch.tensor([0, T], **i32),
+        query_lens=torch.tensor([T], **i32), max_query_len=T, max_context_len=T, num_decode_seqs=0,
+        query_lens_cpu=[T], context_lens_cpu=[T])
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(T), kv, meta, TorchAttentionBackend()))
+
+
+def greedy_over_grpc(client, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy completions of token-id prompts, sent at once (they share batches)."""
+    import concurrent.futures
+
+    def one(ids):
+        return [t for r in client.generate(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens,
+                                           min_tokens=max_tokens) for t in r.token_ids]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))

@@ -132,6 +132,9 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
     dtype = resolve_dtype(config.dtype, device)
     source = ModelSource.resolve(config.model) if model is None or tokenizer is None else None
     hf_config = hf_config or (model.config if model is not None else source.load_config())
+    if model is None and config.tensor_parallel_size > 1:
+        from ..executor.driver import check_splittable
+        check_splittable(config, hf_config)   # before anything slow: a size that cannot split fails at once
     tokenizer = tokenizer or source.load_tokenizer()
     if model is None and config.tensor_parallel_size > 1:
         from ..executor.driver import start_tensor_parallel
