@@ -9,8 +9,8 @@ cache, since all ranks allocate the same number of blocks.
 Faults: a dead worker process is seen before the next step (``is_alive``) or by a failing collective, a hung one
 by the collective timeout (``collective_timeout_s``); the call then raises :class:`TensorParallelError`, the
 remaining workers are killed, and the engine loop dies, which ends open calls with UNAVAILABLE and turns health
-NOT_SERVING. :meth:`close` (server shutdown, or process exit) stops the workers; they also die with the server
-(PR_SET_PDEATHSIG).
+NOT_SERVING. :meth:`close` (server shutdown, or process exit) stops the workers; they also exit when the server
+process is gone (:func:`.group.die_with_parent`).
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 the control group (gloo, no practical timeout) rank 0 broadcasts each step's inputs on."""
 from __future__ import annotations
 
-import ctypes
-import signal
+import os
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -41,10 +42,16 @@ def receive(control):
     return box[0]
 
 
-def die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), so no worker
-    outlives a server that was killed without a chance to stop it. A no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def die_with_parent(poll_s: float = 0.5) -> None:
+    """Exit this process as soon as its parent is gone (a watcher thread polls ``os.getppid()``), so no worker
+    outlives a server killed without a chance to stop it. (Not PR_SET_PDEATHSIG: that fires when the parent
+    *thread* that spawned us exits, and the server spawns workers from a loading thread.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="pagedserve-parent-watch", daemon=True).start()
