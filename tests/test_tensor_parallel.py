@@ -49,7 +49,7 @@ def test_size3_greedy_equals_size1_and_hf(tp3_client, client, hf_llm, tokenizer)
 
 def test_size3_logits_match_size1_and_hf(tp3_server, server, hf_llm, tokenizer):
     """One prefill through rank 0's TensorParallelModel (the workers join) of the prompt the size-1 HF test uses
-    (test_generate_e2e.test_forward_logits_match_hf): within 1e-4 of HF and of size 1."""
+    (test_generate_e2e.test_forward_logits_match_hf): within 1e-4 of HF."""
     ids = chat_ids(tokenizer, CHAT_PROMPTS[0])
     tp_model = tp3_server.engine.runner.model
     assert tp_model.num_kv_heads == 1 and tp_model.tp.size == 3
@@ -61,7 +61,9 @@ def test_size3_logits_match_size1_and_hf(tp3_server, server, hf_llm, tokenizer):
     diffs = {"size3-hf": (ours3 - ref).abs().max().item(), "size1-hf": (ours1 - ref).abs().max().item(),
              "size3-size1": (ours3 - ours1).abs().max().item()}
     print(f"\nmax |logit difference| over {len(ids)} positions: {diffs}")
-    assert diffs["size3-hf"] < 1e-4 and diffs["size3-size1"] < 1e-4, diffs
+    # HF is the oracle: both sizes lie within 1e-4 of it (size 1's own test), so within 2e-4 of each other (they
+    # round differently: size 3 sums three partial matmuls; measured 7.6e-5 / 9.1e-5 from HF, 1.2e-4 apart)
+    assert diffs["size3-hf"] < 1e-4 and diffs["size3-size1"] < 2e-4, diffs
 
 
 def test_size2_refused_naming_the_head_counts():
@@ -70,5 +72,5 @@ def test_size2_refused_naming_the_head_counts():
 
     with pytest.raises(ValueError, match="9 query heads and 3 KV heads"):
         build_engine(EngineConfig(device="cpu", dtype="float32", quantization="none", tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="quantization 'int4' with tensor_parallel_size 3"):
-        build_engine(EngineConfig(device="cpu", dtype="float32", quantization="int4", tensor_parallel_size=3))
+    with pytest.raises(ValueError, match=r"quantization .auto. \(scheme .gguf.\) with tensor_parallel_size 3"):
+        build_engine(EngineConfig(device="cpu", dtype="float32", quantization="auto", tensor_parallel_size=3))

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..config import EngineConfig
 from ..models.layers import TPGroup, split_heads
 from . import group
-from .worker import WorkerSpec, agree_num_blocks, build_shard, meta_to, rank_device, shard_quantization, \
+from .worker import WorkerSpec, agree_num_blocks, build_shard, check_quantization, meta_to, rank_device, \
     worker_main
 
 log = structlog.get_logger(__name__)
@@ -130,7 +130,8 @@ class TensorParallelModel:
 def check_splittable(config: EngineConfig, hf_config) -> None:
     """Refuse before any worker starts: head counts the size does not split, or quantized weights. Raises
     ValueError naming the head counts (or the scheme)."""
-    shard_quantization(config)
+    from ..models.loader import ModelSource
+    check_quantization(config, ModelSource.resolve(config.model), rank_device(config, 0))
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     split_heads(heads, kv_heads, TPGroup(0, config.tensor_parallel_size))

@@ -43,26 +43,27 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 def build_shard(config: EngineConfig, tp, device: torch.device):
     """This rank's shard of ``config.model`` (weights cut as they are read). Raises ValueError when the model does
-    not split by the size (head counts) or quantized weights are asked for at size > 1."""
+    not split by the size (head counts) or would be quantized (see :func:`check_quantization`)."""
     from ..engine.builder import resolve_dtype
     from ..models.loader import ModelSource
     from ..models.registry import build_model
 
     source = ModelSource.resolve(config.model)
+    check_quantization(config, source, device)
     return build_model(source, source.load_config(), resolve_dtype(config.dtype, device), device,
-                       shard_quantization(config), config.quant_group_size, tp=tp)
+                       config.quantization, config.quant_group_size, tp=tp)
 
 
-def shard_quantization(config: EngineConfig) -> str:
-    """The weight scheme of a shard: ``auto`` means unquantized under tensor parallelism (quantized weights do
-    not shard yet). Raises ValueError for int4/int8 with ``tensor_parallel_size`` > 1."""
-    if config.tensor_parallel_size == 1:
-        return config.quantization
-    if config.quantization in ("int4", "int8"):
-        raise ValueError(f"quantization {config.quantization!r} with tensor_parallel_size "
-                         f"{config.tensor_parallel_size}: quantized weights are not sharded yet; use "
-                         f"--quantization none (or auto, which then serves unquantized weights)")
-    return "none"
+def check_quantization(config: EngineConfig, source, device: torch.device) -> None:
+    """Quantized weights do not shard yet: refuse a size > 1 when ``--quantization`` would quantize (``auto`` on a
+    GGUF file, ``int4``, ``int8``; on CPU, where the kernels run). Raises ValueError saying what to pass."""
+    from ..models.quant_load import resolve_scheme
+
+    scheme = resolve_scheme(config.quantization, source.gguf_file is not None, device)
+    if config.tensor_parallel_size > 1 and scheme != "none":
+        raise ValueError(f"quantization {config.quantization!r} (scheme {scheme!r}) with tensor_parallel_size "
+                         f"{config.tensor_parallel_size}: quantized weights are not sharded yet; pass "
+                         f"--quantization none to serve the model unquantized")
 
 
 def worker_main(spec: WorkerSpec) -> None:
