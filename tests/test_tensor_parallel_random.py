@@ -69,11 +69,13 @@ def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
 
 def test_size2_equals_size1_and_hf(tp2_server, tp2_client, random_dir, hf_random):
     from pagedserve.engine.builder import build_engine
+    from pagedserve.models.interface import CausalLM
 
     assert tp2_client.model_info().generation.tensor_parallel_size == 2
     tp_model = tp2_server.engine.runner.model
     assert tp_model.num_kv_heads == 1 and tp_model.num_layers == 2
     one, _ = build_engine(engine_config(random_dir), tokenizer=tp2_server.engine.tokenizer)
+    assert isinstance(tp_model, CausalLM) and isinstance(one.runner.model, CausalLM)  # the model contract
     for ids in PROMPTS[:2]:
         logits2, logits1 = prefill_logits(tp_model, ids), prefill_logits(one.runner.model, ids)
         with torch.inference_mode():
