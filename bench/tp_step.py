@@ -70,18 +70,17 @@ def time_steps(tp, batch: int, iters: int, control=None) -> dict[str, float]:
             dist.barrier(group=control)
         t = time.perf_counter()
         if control is not None:
-            msg = group.receive(control) if tp.rank else group.send(control, ("forward", ids, pos, meta))
+            group.receive(control) if tp.rank else group.send(control, ("forward", ids, pos, meta))
         model.compute_logits(model(ids, pos, kv, meta, backend))
         step.append(time.perf_counter() - t)
         if tp.size > 1:
             dist.barrier(group=control)
             t = time.perf_counter()
-            msg = group.receive(control) if tp.rank else group.send(control, ("forward", ids, pos, meta))
+            group.receive(control) if tp.rank else group.send(control, ("forward", ids, pos, meta))
             for _ in range(2 * model.num_layers + 1):
                 tp.all_reduce(hidden.clone())
             tp.gather_rows_last_dim(torch.randn(batch, model.lm_head.local_vocab))
             coll.append(time.perf_counter() - t)
-    del msg
     out = {"forward+logits_ms": 1e3 * statistics.median(step)}
     if coll:
         out["collectives_ms"] = 1e3 * statistics.median(coll)
