@@ -23,3 +23,16 @@ def test_split_heads():
     assert split_heads(8, 2, TPGroup(3, 4)) == (2, 1, 1)       # ranks 2, 3 share KV head 1
     with pytest.raises(ValueError, match="9 query heads and 3 KV heads"):
         split_heads(9, 3, TPGroup(0, 2))
+
+
+def test_metrics_carry_the_size_as_a_label():
+    from prometheus_client import generate_latest
+
+    from pagedserve.serving.metrics import ServerMetrics
+
+    stats = dict(num_requests_running=0, num_requests_waiting=0, usage=0.0, prefix_cache_queries_tokens=0,
+                 prefix_cache_hits_tokens=0, num_preemptions=0)
+    metrics = ServerMetrics()
+    metrics.bind_engine(lambda: stats, "m", 3)
+    text = generate_latest(metrics.registry).decode()
+    assert 'pagedserve:model_info{model_name="m",tensor_parallel_size="3"} 1.0' in text

@@ -1,6 +1,6 @@
 """Tensor parallelism on a random-weight Llama with 4 query and 2 KV heads (fast to load in every rank): size 2
 equals size 1 and HF; a killed worker ends a live stream with UNAVAILABLE within the collective timeout and turns
-health NOT_SERVING; after SIGTERM no process of the server is left (by PID); two torchrun "nodes" (2 x 1 process)
+health NOT_SERVING, a hung one after the timeout; after SIGTERM no process of the server is left (by PID); two torchrun "nodes" (2 x 1 process)
 serve a request end to end."""
 from __future__ import annotations
 
@@ -106,6 +106,37 @@ def test_killed_worker_gives_unavailable_and_not_serving(tp2_server, tp2_client)
         list(tp2_client.generate(prompt_token_ids=PROMPTS[1], max_tokens=2))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     print(f"\nkilled worker detected after {detected_s:.3f} s")
+
+
+def test_hung_worker_fails_calls_after_the_collective_timeout(random_dir):
+    """A worker stopped (SIGSTOP) mid-stream: rank 0's all-reduce gives up after --collective-timeout-s (5 s
+    here), the stream ends with UNAVAILABLE, health turns NOT_SERVING, and the stopped worker is killed."""
+    from pagedserve.config import ServerConfig
+    from pagedserve_client import PagedServeClient
+
+    timeout_s = 5.0
+    server = ServerThread(ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model=""),
+                          engine_config(random_dir, tensor_parallel_size=2, collective_timeout_s=timeout_s))
+    try:
+        pid = server.engine.runner.model.worker_pids[0]
+        with PagedServeClient(server.target, timeout_s=120) as c:
+            stream = iter(c.generate(prompt_token_ids=PROMPTS[0], temperature=0.0, max_tokens=1800, min_tokens=1800))
+            next(stream)
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stream:
+                    pass
+            detected_s = time.monotonic() - stopped
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            assert timeout_s * 0.9 <= detected_s < 4 * timeout_s, detected_s
+            wait_until(lambda: c.health(SERVICE) == "NOT_SERVING", 10, "health should turn NOT_SERVING")
+        wait_until(lambda: not alive(pid), 15, "the hung worker should be killed")
+        print(f"\nhung worker detected after {detected_s:.2f} s (collective timeout {timeout_s} s)")
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        server.stop()
 
 
 def children_of(pid: int) -> set[int]:

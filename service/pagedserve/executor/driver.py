@@ -10,7 +10,8 @@ Faults: a dead worker process is seen before the next step (``is_alive``) or by 
 by the collective timeout (``collective_timeout_s``); the call then raises :class:`TensorParallelError`, the
 remaining workers are killed, and the engine loop dies, which ends open calls with UNAVAILABLE and turns health
 NOT_SERVING. :meth:`close` (server shutdown, or process exit) stops the workers; they also exit when the server
-process is gone (:func:`.group.die_with_parent`).
+process is gone (:func:`.group.die_with_parent`). One tensor-parallel engine per process at a time (it owns the
+default process group, released on close or failure).
 """
 from __future__ import annotations
 
@@ -90,6 +91,7 @@ class TensorParallelModel:
         self.failed = exc
         log.error("tensor_parallel_failed", error=repr(exc))
         self._kill()
+        _destroy_group()   # this process may start another tensor-parallel engine (one group per process)
         if isinstance(exc, TensorParallelError):
             raise exc
         raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
@@ -116,15 +118,20 @@ class TensorParallelModel:
             p.join(max(0.0, deadline - time.monotonic()))
         self._kill()
         atexit.unregister(self.close)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:
-                log.warning("tensor_parallel_destroy_failed", error=repr(exc))
+        if self.failed is None:
+            _destroy_group()
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.processes]
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:
+            log.warning("tensor_parallel_destroy_failed", error=repr(exc))
 
 
 def check_splittable(config: EngineConfig, hf_config) -> None:

@@ -1,5 +1,6 @@
-"""Process-group set-up for tensor parallelism: the compute group (gloo on CPU, NCCL on CUDA, a short timeout) and
-the control group (gloo, no practical timeout) rank 0 broadcasts each step's inputs on."""
+"""Process-group set-up for tensor parallelism: the compute group (gloo on CPU, NCCL on CUDA, the collective
+timeout) and the gloo control group rank 0 broadcasts each step's inputs on. Gloo timeouts are per process: rank 0
+sends with the collective timeout (a hung worker fails the send), workers wait for the next step without one."""
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ def init_groups(rank: int, size: int, device: torch.device, init_method: str, ti
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if rank == 0 else CONTROL_TIMEOUT)
     return TPGroup(rank, size, None), control
 
 
