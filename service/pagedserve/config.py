@@ -60,6 +60,11 @@ class EngineConfig:
             "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
             "disable_by_batch_size": 8}`` (prompt lookup drafts verified by the target model; output unchanged in
             distribution); None: off.
+        tensor_parallel_size: ranks one model is split over (Megatron-style: attention heads, MLP columns and the
+            vocabulary); rank 0 is this process, ranks 1..N-1 spawned workers (or torchrun's other processes),
+            talking over torch.distributed (gloo on CPU, NCCL on CUDA, one device per rank).
+        collective_timeout_s: seconds a tensor-parallel collective may wait for a rank before the engine fails
+            (a dead or hung worker then ends open calls with UNAVAILABLE).
     """
 
     model: str | None = None
@@ -82,6 +87,8 @@ class EngineConfig:
     quant_group_size: int = field(default=32, metadata={"choices": (32, 64, 128)})
     linear_kernels: str = field(default="auto", metadata={"choices": ("auto", "torch")})
     speculative_config: str | None = None
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
@@ -89,6 +96,8 @@ class EngineConfig:
         _check(self.quant_group_size in (32, 64, 128), "quant_group_size", "must be 32, 64 or 128")
         _check(self.linear_kernels in ("auto", "torch"), "linear_kernels",
                f"unknown choice {self.linear_kernels!r}; one of auto, torch")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
         _check(self.attention_backend in ("auto", "cuda", "torch"), "attention_backend",
                f"unknown backend {self.attention_backend!r}")

@@ -93,6 +93,10 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        model = getattr(getattr(self.engine, "runner", None), "model", None)
+        close = getattr(model, "close", None)  # tensor-parallel workers stop with the engine
+        if close is not None:
+            await asyncio.to_thread(close)
 
     @property
     def num_live_requests(self) -> int:

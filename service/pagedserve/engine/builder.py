@@ -35,6 +35,7 @@ class EngineInfo:
     kv_block_bytes: int
     prefix_caching: bool
     quantization: str   # the model's ``quantization`` ("none" or what models.quant_load built)
+    tensor_parallel_size: int = 1   # ranks the model is split over
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,13 +132,31 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
     dtype = resolve_dtype(config.dtype, device)
     source = ModelSource.resolve(config.model) if model is None or tokenizer is None else None
     hf_config = hf_config or (model.config if model is not None else source.load_config())
+    if model is None and config.tensor_parallel_size > 1:
+        from ..executor.driver import check_splittable
+        check_splittable(config, hf_config)   # before anything slow: a size that cannot split fails at once
     tokenizer = tokenizer or source.load_tokenizer()
-    if model is None:
+    if model is None and config.tensor_parallel_size > 1:
+        from ..executor.driver import start_tensor_parallel
+        model = start_tensor_parallel(config, hf_config)
+    elif model is None:
         model = build_model(source, hf_config, dtype, device, config.quantization, config.quant_group_size,
                             config.linear_kernels)
+    try:
+        return _finish_engine(config, model, tokenizer, hf_config, source, device, dtype, backend)
+    except BaseException:
+        if hasattr(model, "close"):  # tensor-parallel workers
+            model.close()
+        raise
+
+
+def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, device, dtype,
+                   backend) -> tuple[LLMEngine, EngineInfo]:
     backend = backend or select_backend(config.attention_backend, device)
     block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
     num_blocks = config.num_kv_blocks or max(1, kv_cache_bytes(config, model, backend, device) // block_bytes)
+    if hasattr(model, "agree_num_blocks"):  # tensor parallel: the minimum over ranks; every rank allocates it
+        num_blocks = model.agree_num_blocks(num_blocks)
     capacity = num_blocks * config.block_size
     model_max = int(hf_config.max_position_embeddings)
     if config.max_model_len is not None:
@@ -160,5 +179,6 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
                       device=str(device), attention_backend=backend.name, max_model_len=max_model_len,
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
-                      quantization=getattr(model, "quantization", "none"))
+                      quantization=getattr(model, "quantization", "none"),
+                      tensor_parallel_size=getattr(getattr(model, "tp", None), "size", 1))
     return engine, info

@@ -13,22 +13,27 @@ import torch
 from torch import nn
 
 from .. import ops
+from . import layers
+from .layers import SINGLE, TPGroup
 from ..attention.base import AttentionBackend, AttentionMetadata
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # this rank's heads (all of them at size 1)
+        self.num_heads, self.num_kv_heads, _ = layers.split_heads(total_heads, total_kv_heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.layer_idx = layer_idx
         qkv_bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+        self.qkv_proj = layers.qkv_linear(cfg.hidden_size, total_heads, total_kv_heads, self.head_dim, qkv_bias, tp)
+        self.o_proj = layers.row_linear(total_heads * self.head_dim, cfg.hidden_size,
+                                        bool(getattr(cfg, "attention_bias", False)), tp)
 
     def forward(self, positions, hidden, kv_cache, meta, backend: AttentionBackend, cos_sin):
         T = hidden.shape[0]
@@ -42,20 +47,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TPGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = layers.merged_column_linear(cfg.hidden_size, cfg.intermediate_size, 2, False, tp)
+        self.down_proj = layers.row_linear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x, elementwise: ops.ElementwiseOps = ops.TORCH_OPS):
         return self.down_proj(elementwise.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -71,20 +76,25 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model. Built from a transformers ``PretrainedConfig``; weights come from :meth:`load_weights`.
 
-    Attributes used by the engine: ``num_layers``, ``num_kv_heads``, ``head_dim``, ``vocab_size``.
+    Attributes used by the engine: ``num_layers``, ``num_kv_heads`` (this rank's), ``head_dim``, ``vocab_size``.
+    ``tp``: this process's tensor-parallel rank and size (:mod:`.layers`); at size 1 the layers are plain ones.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TPGroup = SINGLE):
         super().__init__()
         if getattr(cfg, "rope_scaling", None) not in (None, {}) and \
                 (cfg.rope_scaling.get("rope_type") or cfg.rope_scaling.get("type")) not in ("default", None):
             raise ValueError(f"rope_scaling {cfg.rope_scaling} is not supported yet")
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.config, self.tp = cfg, tp
+        self.embed_tokens = layers.vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if tp.size > 1:
+            self.lm_head = layers.ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp,
+                                                 self.embed_tokens if self.tie_word_embeddings else None)
+        else:
+            self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         attn = self.layers[0].self_attn
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
         self.vocab_size = cfg.vocab_size
@@ -94,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
             theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         self.rope_theta = float(theta)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
-        if not self.embed_tokens.weight.is_meta:  # under a meta device, build_model calls this after to_empty()
+        if not self.norm.is_meta:  # under a meta device, build_model calls this after to_empty()
             self.reset_rotary_cache()
 
     def reset_rotary_cache(self) -> None:
@@ -125,7 +135,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab_size]`` float32 logits (a quantized LM head when the weights are)."""
+        """``[N, hidden]`` -> ``[N, vocab_size]`` float32 logits (a quantized LM head when the weights are).
+        Under tensor parallelism every rank must call it; rank 0 gets the gathered logits, the others None."""
+        if self.tp.size > 1:
+            return self.lm_head(hidden)
         if self.lm_head is None:
             return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
@@ -149,13 +162,16 @@ class LlamaForCausalLM(nn.Module):
         """
         from . import quant_load
 
+        if self.tp.size > 1 and self.tie_word_embeddings:  # (re)tie: to_empty() gives each module its own tensor
+            self.lm_head.linear.weight = self.embed_tokens.embedding.weight
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules()) if self.tp.size > 1 else {}
         pending = {n: m for n, m in self.named_modules()
                    if isinstance(m, (quant_load.PendingLinear, quant_load.PendingEmbedding))}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             name = name.replace("input_layernorm.weight", "input_layernorm") \
                 .replace("post_attention_layernorm.weight", "post_attention_layernorm")
@@ -166,6 +182,9 @@ class LlamaForCausalLM(nn.Module):
                 if hf in name:
                     target, shard = name.replace(hf, ours), idx
                     break
+            target, tensor, padded = layers.take_for_rank(modules, target, shard, tensor)
+            if tensor is None:  # nothing of it on this rank (a row-parallel bias off rank 0)
+                continue
             owner = target.removesuffix(".weight")
             if owner in pending:
                 pending[owner].add(shard, tensor)
@@ -176,6 +195,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r}")
             param = params[target]
             dst = param.data if shard is None else self._shard(param.data, target, shard)
+            if padded and dst.shape[0] > tensor.shape[0]:  # the last vocabulary shard: zero padding rows
+                dst.zero_()
+                dst = dst[:tensor.shape[0]]
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
             dst.copy_(tensor)

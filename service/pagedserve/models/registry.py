@@ -23,13 +23,14 @@ def architecture_of(config) -> str:
 
 
 def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device | str,
-                quantization: str = "none", quant_group_size: int = 32,
+                quantization: str = "none", quant_group_size: int = 32, tp=None,
                 linear_kernels: str = "auto") -> torch.nn.Module:
     """Instantiate the registered class for ``config`` and load its weights.
 
     quantization: "none" (every weight in ``dtype``), "int8", "int4" or "auto" (a GGUF file keeps its own scheme
     where a kernel exists; an HF checkpoint stays unquantized); see :mod:`.quant_load`. quant_group_size: the int4
     group size for weights quantized at load. The model's ``quantization`` attribute then says what was built.
+    tp: this rank's :class:`~.layers.TPGroup` (None: the whole model); each tensor is cut to the rank's part as read.
     linear_kernels: "auto" runs the linears (quantized or float32) on pagedserve's CPU kernels where they load
     (:mod:`.cpu_linear`), "torch" on torch's; the model's ``linear_kernels`` attribute says which ran.
 
@@ -47,7 +48,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     own_kernels = cpu_kernels_enabled(linear_kernels, torch.device(device))
     plan = None if scheme == "none" else QuantPlan(scheme, quant_group_size, dtype, cpu_kernels=own_kernels)
     with torch.device("meta"):
-        model = MODEL_REGISTRY[arch](config)
+        model = MODEL_REGISTRY[arch](config) if tp is None or tp.size == 1 else MODEL_REGISTRY[arch](config, tp)
         if plan is not None:
             prepare_model(model, model._shards_of)
     model = model.to_empty(device="cpu").to(dtype)

@@ -72,7 +72,7 @@ class ServiceFactory:
         await in_daemon_thread(warm_up, engine)
         front = AsyncEngine(engine, on_dead=on_dead)
         front.start()
-        metrics.bind_engine(engine.stats, served_name)
+        metrics.bind_engine(engine.stats, served_name, info.tensor_parallel_size)
         return GenerationService(front, info, metrics, served_name)
 
     async def _embedding(self, generation: GenerationService | None) -> EmbeddingService:

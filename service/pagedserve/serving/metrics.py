@@ -62,6 +62,10 @@ class _EngineCollector:
             family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             family.add_metric([model], float(value))
             yield family
+        info = GaugeMetricFamily(PREFIX + "model_info", "The served model (always 1); its labels describe it.",
+                                 labels=["model_name", "tensor_parallel_size"])
+        info.add_metric([model, str(self.owner.tensor_parallel_size)], 1.0)
+        yield info
 
 
 class ServerMetrics:
@@ -71,6 +75,7 @@ class ServerMetrics:
         disable_created_metrics()  # no `*_created` series (process-wide; Prometheus does not need them)
         self.registry = CollectorRegistry()
         self.model_name = ""
+        self.tensor_parallel_size = 1
         self.engine_stats: Callable[[], dict] | None = None
         self._http = None
         r, m = self.registry, ["model_name"]
@@ -98,9 +103,11 @@ class ServerMetrics:
         self.grpc_msg_received = Counter("grpc_server_msg_received", "Messages received, by RPC.", g, registry=r)
         self.grpc_msg_sent = Counter("grpc_server_msg_sent", "Messages sent, by RPC.", g, registry=r)
 
-    def bind_engine(self, stats_fn: Callable[[], dict], model_name: str) -> None:
-        """Export the engine's state from now on: ``stats_fn`` is ``LLMEngine.stats``."""
+    def bind_engine(self, stats_fn: Callable[[], dict], model_name: str, tensor_parallel_size: int = 1) -> None:
+        """Export the engine's state from now on: ``stats_fn`` is ``LLMEngine.stats``; ``tensor_parallel_size`` is
+        the ``pagedserve:model_info`` label."""
         self.model_name = model_name
+        self.tensor_parallel_size = tensor_parallel_size
         self.engine_stats = stats_fn
 
     def start_http(self, host: str, port: int) -> int:

@@ -1,0 +1,137 @@
+"""A tensor-parallel worker (ranks 1..N-1): builds its shard of the model and its own KV cache (its KV heads, the
+same number of blocks as rank 0, so rank 0's block tables index it), then runs whatever rank 0 broadcasts.
+
+Messages (tuples, tensors on CPU):
+- ``("kv", num_blocks)``: agree on the block count (the minimum over ranks) and allocate the KV cache.
+- ``("forward", input_ids, positions, meta)``: one model step (joins the layers' all-reduces).
+- ``("logits", hidden)``: the LM head on ``hidden`` ``[N, hidden]`` (joins the gather to rank 0).
+- ``("ping",)``: nothing (health and timing). ``("stop",)``: leave the group and exit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from ..attention.base import AttentionMetadata
+from ..config import EngineConfig
+from . import group
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to start (pickled to a spawned process)."""
+
+    config: EngineConfig   # the server's engine config (model path, dtype, device, block size, timeouts)
+    rank: int              # 1..size-1
+    size: int              # tensor_parallel_size
+    init_method: str       # tcp://127.0.0.1:PORT (spawned) or env:// (torchrun)
+    local_rank: int        # CUDA device index on this machine
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """The device of a rank: ``cuda:local_rank`` when the server runs on CUDA, else the CPU."""
+    from ..engine.builder import resolve_device
+    return torch.device("cuda", local_rank) if resolve_device(config.device).type == "cuda" else torch.device("cpu")
+
+
+def build_shard(config: EngineConfig, tp, device: torch.device):
+    """This rank's shard of ``config.model`` (weights cut as they are read). Raises ValueError when the model does
+    not split by the size (head counts) or would be quantized (see :func:`check_quantization`)."""
+    from ..engine.builder import resolve_dtype
+    from ..models.loader import ModelSource
+    from ..models.registry import build_model
+
+    source = ModelSource.resolve(config.model)
+    check_quantization(config, source, device)
+    return build_model(source, source.load_config(), resolve_dtype(config.dtype, device), device,
+                       config.quantization, config.quant_group_size, tp=tp, linear_kernels=config.linear_kernels)
+
+
+def check_quantization(config: EngineConfig, source, device: torch.device) -> None:
+    """Quantized weights do not shard yet: refuse a size > 1 when ``--quantization`` would quantize (``auto`` on a
+    GGUF file, ``int4``, ``int8``; on CPU, where the kernels run). Raises ValueError saying what to pass."""
+    from ..models.quant_load import resolve_scheme
+
+    scheme = resolve_scheme(config.quantization, source.gguf_file is not None, device)
+    if config.tensor_parallel_size > 1 and scheme != "none":
+        raise ValueError(f"quantization {config.quantization!r} (scheme {scheme!r}) with tensor_parallel_size "
+                         f"{config.tensor_parallel_size}: quantized weights are not sharded yet; pass "
+                         f"--quantization none to serve the model unquantized")
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a spawned or torchrun-launched worker; returns when rank 0 says stop, exits on failure."""
+    group.die_with_parent()
+    device = rank_device(spec.config, spec.local_rank)
+    tp, control = group.init_groups(spec.rank, spec.size, device, spec.init_method, spec.config.collective_timeout_s)
+    try:
+        model = build_shard(spec.config, tp, device)
+        serve_steps(model, control, spec.config, device)
+    except Exception:
+        log.exception("tp_worker_failed", rank=spec.rank)
+        os._exit(1)  # a collective may be half done: leave without waiting for the group
+    dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def serve_steps(model, control, config: EngineConfig, device: torch.device) -> None:
+    """The worker loop: run each message rank 0 broadcasts until ``("stop",)``."""
+    from ..engine.builder import select_backend
+    from ..engine.model_runner import allocate_kv_caches
+
+    backend = select_backend(config.attention_backend, device)
+    kv_caches = None
+    while True:
+        message = group.receive(control)
+        kind = message[0]
+        if kind == "stop":
+            return
+        if kind == "forward":
+            input_ids, positions, meta = message[1:]
+            caches = kv_caches or allocate_kv_caches(model.num_layers, 1, config.block_size, model.num_kv_heads,
+                                                     model.head_dim, model.norm.dtype, device)  # profiling run
+            model(input_ids.to(device), positions.to(device), caches, meta_to(meta, device), backend)
+        elif kind == "logits":
+            model.compute_logits(message[1].to(device))
+        elif kind == "kv":
+            num_blocks = agree_num_blocks(min(message[1], own_block_limit(config, model, device)), control)
+            kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
+                                           model.head_dim, model.norm.dtype, device)
+        elif kind != "ping":
+            raise ValueError(f"unknown tensor-parallel message {kind!r}")
+
+
+def agree_num_blocks(num_blocks: int, control) -> int:
+    """The minimum over ranks of each rank's KV block count (all ranks call it, on the gloo control group)."""
+    t = torch.tensor([num_blocks], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+    return int(t.item())
+
+
+def own_block_limit(config: EngineConfig, model, device: torch.device) -> int:
+    """KV blocks this rank's memory allows: on CUDA without an explicit size, what ``gpu_memory_utilization``
+    leaves after the weights and the profiled forward (peak so far); otherwise no limit of its own."""
+    from ..engine.model_runner import kv_block_bytes
+
+    if device.type != "cuda" or config.num_kv_blocks or config.kv_cache_memory_bytes:
+        return 1 << 62
+    free = int(torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization) \
+        - int(torch.cuda.max_memory_allocated(device))
+    block = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, model.norm.dtype)
+    return max(1, free // block)
+
+
+def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """``meta`` with its tensors on ``device``."""
+    if device.type == "cpu":
+        return meta
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(device)
+                                         for f in dataclasses.fields(meta)
+                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
