@@ -1,6 +1,7 @@
 """Tensor parallelism end to end on gloo (CPU): the embedded SmolLM2 (9 query heads, 3 KV heads) at
 ``--tensor-parallel-size 3`` gives the same greedy tokens as size 1 and as HF transformers, logits within 1e-4;
-size 2 is refused at start-up naming the head counts. One size-3 server (3 processes) serves the whole module."""
+size 2 is refused at start-up naming the head counts; the quantized model (int4/Q8_0 as stored) at size 3 gives the
+quantized size-1 model's greedy tokens. One size-3 server (3 processes) serves the whole module."""
 from __future__ import annotations
 
 import pytest
@@ -72,5 +73,60 @@ def test_size2_refused_naming_the_head_counts():
 
     with pytest.raises(ValueError, match="9 query heads and 3 KV heads"):
         build_engine(EngineConfig(device="cpu", dtype="float32", quantization="none", tensor_parallel_size=2))
-    with pytest.raises(ValueError, match=r"quantization .auto. \(scheme .gguf.\) with tensor_parallel_size 3"):
-        build_engine(EngineConfig(device="cpu", dtype="float32", quantization="auto", tensor_parallel_size=3))
+
+
+def test_quantized_shards_must_hold_whole_groups(smollm_source, llm_parts):
+    """A size whose row-parallel shards would cut GGUF's 32-weight blocks (hidden 576 / 4 = 144) is refused, naming
+    the size that does not split."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.executor.worker import check_quantization
+
+    cfg = llm_parts[2]
+    with pytest.raises(ValueError, match="hidden_size 576 does not split into shards of whole groups of 32"):
+        check_quantization(EngineConfig(quantization="auto", tensor_parallel_size=4), smollm_source,
+                           torch.device("cpu"), cfg)
+    check_quantization(EngineConfig(quantization="auto", tensor_parallel_size=3), smollm_source,
+                       torch.device("cpu"), cfg)   # 192 and 512 columns per shard: whole blocks
+
+
+_QUANTIZED_TP_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from pagedserve.config import EngineConfig
+from pagedserve.engine.builder import build_engine
+from pagedserve.engine.sampling_params import SamplingParams
+from support import run_to_completion
+from test_generate_e2e import CHAT_PROMPTS, chat_ids
+
+outs, infos = [], []
+for size in (3, 1):
+    engine, info = build_engine(EngineConfig(device="cpu", dtype="float32", attention_backend="torch",
+                                             quantization="auto", tensor_parallel_size=size, num_kv_blocks=128,
+                                             max_model_len=1024))
+    infos.append(info.quantization)
+    for i, p in enumerate(CHAT_PROMPTS[:3]):
+        engine.add_request(f"r{i}", chat_ids(engine.tokenizer, p), SamplingParams(max_tokens=12, temperature=0.0))
+    done = run_to_completion(engine)
+    outs.append([done[f"r{i}"][0][0] for i in range(3)])
+    if hasattr(engine.runner.model, "close"):
+        engine.runner.model.close()
+print(json.dumps({"outs": outs, "infos": infos}))
+"""
+
+
+def test_size3_quantized_equals_size1_quantized():
+    """The embedded GGUF kept quantized (int4 Q4_1 linears, Q8_0 embedding and tied LM head, each rank holding its
+    rows or whole-block columns) at size 3: the same greedy tokens as the quantized model at size 1 (a process of
+    its own: one tensor-parallel group per process, and this module's size-3 server holds one)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", _QUANTIZED_TP_SCRIPT, tests_dir], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all("120 linear int4-g32 (Q4_1 as stored)" in q for q in got["infos"]), got["infos"]
+    assert got["outs"][0] == got["outs"][1]

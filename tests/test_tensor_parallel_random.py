@@ -87,6 +87,26 @@ def test_size2_equals_size1_and_hf(tp2_server, tp2_client, random_dir, hf_random
     assert got == [hf_greedy(hf_random, ids, 24) for ids in PROMPTS]
 
 
+def test_beam_search_at_size2_equals_size1(tp2_client, random_dir):
+    """Beam search (beams forking partial blocks, copy-on-write on every rank's caches) at size 2 returns size 1's
+    sequences in the same order with the same scores."""
+    from pagedserve.config import ServerConfig
+    from pagedserve_client import PagedServeClient
+
+    one = ServerThread(ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model=""),
+                       engine_config(random_dir))
+    try:
+        with PagedServeClient(one.target, timeout_s=120) as c1:
+            for ids in PROMPTS[:2]:
+                kwargs = dict(prompt_token_ids=ids, max_tokens=20, n=2, beam_search={"beam_width": 3})
+                got2 = [(r.index, list(r.token_ids), r.cumulative_logprob) for r in tp2_client.generate(**kwargs)]
+                got1 = [(r.index, list(r.token_ids), r.cumulative_logprob) for r in c1.generate(**kwargs)]
+                assert [g[:2] for g in got2] == [g[:2] for g in got1]
+                assert all(abs(a[2] - b[2]) < 1e-4 for a, b in zip(got2, got1))
+    finally:
+        one.stop()
+
+
 def test_killed_worker_gives_unavailable_and_not_serving(tp2_server, tp2_client):
     """Runs last in this module: it breaks the shared size-2 server on purpose."""
     pid = tp2_server.engine.runner.model.worker_pids[0]

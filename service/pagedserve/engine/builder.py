@@ -141,7 +141,7 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
         model = start_tensor_parallel(config, hf_config)
     elif model is None:
         model = build_model(source, hf_config, dtype, device, config.quantization, config.quant_group_size,
-                            config.linear_kernels)
+                            linear_kernels=config.linear_kernels)
     try:
         return _finish_engine(config, model, tokenizer, hf_config, source, device, dtype, backend)
     except BaseException:

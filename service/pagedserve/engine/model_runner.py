@@ -133,6 +133,9 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(entries)
         if sched.block_copies:  # copy-on-write of shared KV blocks, before anything writes them
             self.backend.copy_blocks(self.kv_caches, sched.block_copies)
+            on_workers = getattr(self.model, "copy_kv_blocks", None)   # tensor parallelism: each rank's caches
+            if on_workers is not None:
+                on_workers(sched.block_copies)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         prompt_lps = self._prompt_logprobs(entries, hidden)
         sampled, sample_rows, pooled, pooled_rows, pos = [], [], [], [], 0

@@ -62,6 +62,11 @@ class TensorParallelModel:
         self._send(("logits", hidden.cpu()))
         return self._guard(self.model.compute_logits, hidden)
 
+    def copy_kv_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Have every worker copy KV blocks ``(src, dst)`` in its own caches (copy-on-write of beams' shared blocks;
+        rank 0's runner copies its own), before the step's forward."""
+        self._send(("copy", list(block_copies)))
+
     def agree_num_blocks(self, num_blocks: int) -> int:
         """KV blocks every rank allocates: the minimum of ``num_blocks`` (rank 0's) and each worker's limit."""
         self._send(("kv", num_blocks))
@@ -135,10 +140,10 @@ def _destroy_group() -> None:
 
 
 def check_splittable(config: EngineConfig, hf_config) -> None:
-    """Refuse before any worker starts: head counts the size does not split, or quantized weights. Raises
-    ValueError naming the head counts (or the scheme)."""
+    """Refuse before any worker starts: head counts the size does not split, or quantized weights whose groups it
+    does not split (:func:`~.worker.check_quantization`). Raises ValueError naming the head counts (or the sizes)."""
     from ..models.loader import ModelSource
-    check_quantization(config, ModelSource.resolve(config.model), rank_device(config, 0))
+    check_quantization(config, ModelSource.resolve(config.model), rank_device(config, 0), hf_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     split_heads(heads, kv_heads, TPGroup(0, config.tensor_parallel_size))
@@ -160,7 +165,7 @@ def start_tensor_parallel(config: EngineConfig, hf_config, init_method: str | No
 
     Raises:
         ValueError: the model does not split by ``config.tensor_parallel_size`` (see :func:`check_splittable`).
-        TensorParallelError: the group could not form within ``collective_timeout_s``.
+        TensorParallelError: the ranks did not all join and load within ``group.STARTUP_TIMEOUT_S``.
     """
     check_splittable(config, hf_config)
     size = config.tensor_parallel_size
@@ -178,6 +183,7 @@ def start_tensor_parallel(config: EngineConfig, hf_config, init_method: str | No
         device = rank_device(config, 0)
         tp, control = group.init_groups(rank, size, device, init_method, config.collective_timeout_s)
         model = build_shard(config, tp, device)
+        group.wait_for_all_ranks()
     except BaseException as exc:
         for p in processes:
             p.kill()

@@ -43,7 +43,7 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 def build_shard(config: EngineConfig, tp, device: torch.device):
     """This rank's shard of ``config.model`` (weights cut as they are read). Raises ValueError when the model does
-    not split by the size (head counts) or would be quantized (see :func:`check_quantization`)."""
+    not split by the size (head counts) or quantized weights it cannot shard (see :func:`check_quantization`)."""
     from ..engine.builder import resolve_dtype
     from ..models.loader import ModelSource
     from ..models.registry import build_model
@@ -54,16 +54,29 @@ def build_shard(config: EngineConfig, tp, device: torch.device):
                        config.quantization, config.quant_group_size, tp=tp, linear_kernels=config.linear_kernels)
 
 
-def check_quantization(config: EngineConfig, source, device: torch.device) -> None:
-    """Quantized weights do not shard yet: refuse a size > 1 when ``--quantization`` would quantize (``auto`` on a
-    GGUF file, ``int4``, ``int8``; on CPU, where the kernels run). Raises ValueError saying what to pass."""
+def check_quantization(config: EngineConfig, source, device: torch.device, hf_config=None) -> None:
+    """Quantized weights shard along their groups: with a size > 1 and a quantizing ``--quantization`` (``auto`` on a
+    GGUF file, ``int4``, ``int8``; on CPU, where the kernels run), each row-parallel shard's input columns
+    (``hidden_size / size`` for o_proj, ``intermediate_size / size`` for down_proj) must be whole groups (32 for GGUF
+    blocks, ``quant_group_size`` for int4 at load), and the vocabulary must divide by the size (a quantized LM head
+    has no padding rows). Raises ValueError naming the sizes and saying what to pass."""
     from ..models.quant_load import resolve_scheme
 
+    size = config.tensor_parallel_size
     scheme = resolve_scheme(config.quantization, source.gguf_file is not None, device)
-    if config.tensor_parallel_size > 1 and scheme != "none":
-        raise ValueError(f"quantization {config.quantization!r} (scheme {scheme!r}) with tensor_parallel_size "
-                         f"{config.tensor_parallel_size}: quantized weights are not sharded yet; pass "
-                         f"--quantization none to serve the model unquantized")
+    if size == 1 or scheme == "none":
+        return
+    hf_config = hf_config or source.load_config()
+    group = max(32, config.quant_group_size if scheme == "int4" else 32)
+    sizes = {"hidden_size": hf_config.hidden_size, "intermediate_size": hf_config.intermediate_size}
+    for name, total in sizes.items():
+        if total % size or (total // size) % group:
+            raise ValueError(f"quantization {config.quantization!r} (scheme {scheme!r}) with tensor_parallel_size "
+                             f"{size}: the model's {name} {total} does not split into shards of whole groups of "
+                             f"{group}; pass --quantization none")
+    if hf_config.vocab_size % size:
+        raise ValueError(f"quantization {config.quantization!r} (scheme {scheme!r}) with tensor_parallel_size {size}: "
+                         f"the vocabulary ({hf_config.vocab_size}) does not divide by it; pass --quantization none")
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -73,6 +86,7 @@ def worker_main(spec: WorkerSpec) -> None:
     tp, control = group.init_groups(spec.rank, spec.size, device, spec.init_method, spec.config.collective_timeout_s)
     try:
         model = build_shard(spec.config, tp, device)
+        group.wait_for_all_ranks()
         serve_steps(model, control, spec.config, device)
     except Exception:
         log.exception("tp_worker_failed", rank=spec.rank)
@@ -100,6 +114,8 @@ def serve_steps(model, control, config: EngineConfig, device: torch.device) -> N
             model(input_ids.to(device), positions.to(device), caches, meta_to(meta, device), backend)
         elif kind == "logits":
             model.compute_logits(message[1].to(device))
+        elif kind == "copy":
+            backend.copy_blocks(kv_caches, message[1])
         elif kind == "kv":
             num_blocks = agree_num_blocks(min(message[1], own_block_limit(config, model, device)), control)
             kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,

@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         """
         from . import quant_load
 
-        if self.tp.size > 1 and self.tie_word_embeddings:  # (re)tie: to_empty() gives each module its own tensor
+        if self.tp.size > 1 and self.tie_word_embeddings and plan is None:  # (re)tie: to_empty() gives each module its own tensor
             self.lm_head.linear.weight = self.embed_tokens.embedding.weight
         params = dict(self.named_parameters())
         modules = dict(self.named_modules()) if self.tp.size > 1 else {}
@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}...")
         if pending:
-            quant_load.finalize(self, plan, tied_lm_head=self.lm_head is None)
+            quant_load.finalize(self, plan, tied_lm_head=self.tie_word_embeddings)
             self.quantization = plan.summary()
 
     def _shards_of(self, name: str) -> list:

@@ -53,6 +53,14 @@ class Int4Weight:
     def rows(self, index: torch.Tensor) -> "Int4Weight":
         return Int4Weight(self.codes[index], self.scales[index], self.zeros[index], self.group_size, self.source)
 
+    def cols(self, start: int, end: int) -> "Int4Weight":
+        """Input columns ``[start, end)`` (a row-parallel shard). Raises ValueError off the group boundaries."""
+        g = self.group_size
+        if start % g or end % g:
+            raise ValueError(f"int4 weight: columns [{start}, {end}) do not fall on its groups of {g}")
+        return Int4Weight(self.codes[:, start:end].contiguous(), self.scales[:, start // g:end // g].contiguous(),
+                          self.zeros[:, start // g:end // g].contiguous(), g, self.source)
+
     @staticmethod
     def cat(parts: list["Int4Weight"]) -> "Int4Weight":
         """Concatenate along N (fused QKV, gate/up). Raises ValueError for different group sizes."""
@@ -79,6 +87,14 @@ class Int8BlockWeight:
         n, k = codes.shape
         return (codes.to(torch.float32).view(n, k // self.block_size, self.block_size)
                 * scales.to(torch.float32).unsqueeze(-1)).view(n, k)
+
+    def cols(self, start: int, end: int) -> "Int8BlockWeight":
+        """Input columns ``[start, end)`` (a row-parallel shard). Raises ValueError off the block boundaries."""
+        b = self.block_size
+        if start % b or end % b:
+            raise ValueError(f"Q8_0 weight: columns [{start}, {end}) do not fall on its blocks of {b}")
+        return Int8BlockWeight(self.codes[:, start:end].contiguous(), self.scales[:, start // b:end // b].contiguous(),
+                               b)
 
     def rows(self, index: torch.Tensor) -> "Int8BlockWeight":
         return Int8BlockWeight(self.codes[index], self.scales[index], self.block_size)

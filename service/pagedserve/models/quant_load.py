@@ -173,7 +173,9 @@ def build_embedding(weight, plan: QuantPlan) -> nn.Module:
 
 def finalize(model: nn.Module, plan: QuantPlan, tied_lm_head: bool) -> None:
     """Replace the placeholders with built layers (see the module docstring). With ``tied_lm_head``, the model's
-    ``lm_head`` is set to an LM head built from the embedding's weight (int8 per channel unless stored int4).
+    ``lm_head`` is set to an LM head built from the embedding's weight (int8 per channel unless stored int4); under
+    tensor parallelism (an ``lm_head`` with a ``linear`` child, :class:`~.layers.ParallelLMHead`) that child is,
+    from this rank's embedding rows.
 
     Raises:
         ValueError: a placeholder missing some of its pieces.
@@ -183,6 +185,8 @@ def finalize(model: nn.Module, plan: QuantPlan, tied_lm_head: bool) -> None:
         if not isinstance(module, (PendingLinear, PendingEmbedding)):
             continue
         expected = module.num_shards if isinstance(module, PendingLinear) else 1
+        if tied_lm_head and name == "lm_head.linear" and not module.pieces:
+            continue   # built from the embedding below
         if len(module.pieces) != expected:
             raise ValueError(f"weights missing from the checkpoint: {name}.weight")
         pieces = [module.pieces[i] for i in sorted(module.pieces)]
@@ -195,5 +199,9 @@ def finalize(model: nn.Module, plan: QuantPlan, tied_lm_head: bool) -> None:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     if tied_lm_head and embed_weight is not None:
-        model.lm_head = build_linear([embed_weight], None, plan, lm_head=True)
+        head = build_linear([embed_weight], None, plan, lm_head=True)
+        if hasattr(model.lm_head, "linear"):
+            model.lm_head.linear = head
+        else:
+            model.lm_head = head
     log.info("quantization", summary=plan.summary())
