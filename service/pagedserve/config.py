@@ -57,6 +57,10 @@ class EngineConfig:
             "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
             "disable_by_batch_size": 8}`` (prompt lookup drafts verified by the target model; output unchanged in
             distribution); None: off.
+        enforce_eager: True runs the model eagerly (vLLM's ``--enforce-eager``); False compiles the forward with
+            torch.compile (attention opaque, token counts padded to fixed sizes, compiled at warm-up) wherever it
+            is supported (CPU, torch attention backend); None (default) compiles only where it measured faster
+            (see README "Compiled forward").
     """
 
     model: str | None = None
@@ -78,6 +82,7 @@ class EngineConfig:
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     quant_group_size: int = field(default=32, metadata={"choices": (32, 64, 128)})
     speculative_config: str | None = None
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",

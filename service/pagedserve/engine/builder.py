@@ -11,6 +11,7 @@ import torch
 from ..config import EngineConfig
 from ..models.loader import ModelSource
 from ..models.registry import architecture_of, build_model
+from .compiled import DEFAULT_COMPILE_SIZES, CompiledForward, use_compiled
 from .llm_engine import LLMEngine
 from .model_runner import ModelRunner, allocate_kv_caches, kv_block_bytes
 
@@ -35,6 +36,8 @@ class EngineInfo:
     kv_block_bytes: int
     prefix_caching: bool
     quantization: str   # the model's ``quantization`` ("none" or what models.quant_load built)
+    compiled: bool = False               # the forward runs compiled (engine.compiled); False: eager
+    compile_s: float | None = None       # seconds compiling took at start-up (None when eager)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,12 +119,14 @@ def profile_peak_memory_bytes(config: EngineConfig, model, backend, device: torc
 
 
 def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=None,
-                 backend=None) -> tuple[LLMEngine, EngineInfo]:
-    """Load the model and tokenizer and size the KV cache.
+                 backend=None, compile_sizes=None) -> tuple[LLMEngine, EngineInfo]:
+    """Load the model and tokenizer, size the KV cache, and compile the forward unless it runs eager
+    (``config.enforce_eager``; :func:`pagedserve.engine.compiled.use_compiled`).
 
     ``model``/``tokenizer``/``hf_config`` may be passed in (tests build random-weight models); otherwise they are
     loaded from ``config.model``. ``backend`` (an attention backend object) overrides the one
-    ``config.attention_backend`` selects (tests run the emulated CUDA backend on CPU).
+    ``config.attention_backend`` selects (tests run the emulated CUDA backend on CPU). ``compile_sizes`` overrides
+    the padded token counts compiled (default :data:`~pagedserve.engine.compiled.DEFAULT_COMPILE_SIZES`).
 
     Raises:
         FileNotFoundError: the model path is missing.
@@ -151,6 +156,9 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
     kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
                                    model.head_dim, dtype, device)
     runner = ModelRunner(model, backend, kv_caches, config.block_size, device, config.seed)
+    if use_compiled(config.enforce_eager, backend, device):
+        runner.compiled = CompiledForward(model, backend, kv_caches, compile_sizes or DEFAULT_COMPILE_SIZES)
+        runner.compiled.warm_up()
     engine = LLMEngine(config, runner, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
                        int(hf_config.vocab_size))
@@ -159,5 +167,6 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
                       device=str(device), attention_backend=backend.name, max_model_len=max_model_len,
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
-                      quantization=getattr(model, "quantization", "none"))
+                      quantization=getattr(model, "quantization", "none"), compiled=runner.compiled is not None,
+                      compile_s=runner.compiled.compile_s if runner.compiled is not None else None)
     return engine, info

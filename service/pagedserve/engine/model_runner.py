@@ -80,6 +80,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed)
+        self.compiled = None  # a CompiledForward (engine.compiled) when the forward runs compiled; None: eager
 
     def prepare(self, entries: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat ``input_ids [T]``, ``positions [T]`` (int64) and the attention metadata for ``entries``.
@@ -129,7 +130,10 @@ class ModelRunner:
         entries = sorted(sched.scheduled, key=lambda e: (e.num_new_tokens != 1,
                                                          -e.request.num_computed_tokens if e.num_new_tokens == 1 else 0))
         input_ids, positions, meta = self.prepare(entries)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if self.compiled is not None:  # padded to a compiled size; hidden keeps only the step's rows
+            hidden = self.compiled(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         prompt_lps = self._prompt_logprobs(entries, hidden)
         sampled, sample_rows, pooled, pooled_rows, pos = [], [], [], [], 0
         for e in entries:

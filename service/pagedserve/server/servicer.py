@@ -89,7 +89,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 name=info.name, architecture=info.architecture, dtype=info.dtype, max_model_len=info.max_model_len,
                 vocab_size=info.vocab_size, block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
                 kv_block_bytes=info.kv_block_bytes, attention_backend=info.attention_backend, device=info.device,
-                prefix_caching=info.prefix_caching, quantization=info.quantization))
+                prefix_caching=info.prefix_caching, quantization=info.quantization,
+                compiled=info.compiled))
             fields = pb.KVCacheStats.DESCRIPTOR.fields_by_name  # (the engine's stats hold more, e.g. spec decode)
             resp.kv_cache.CopyFrom(pb.KVCacheStats(**{k: v for k, v in generation.kv_cache_stats().items()
                                                       if k in fields}))
