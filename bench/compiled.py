@@ -7,10 +7,11 @@
 The embedded model (CPU, torch attention, ``--quantization``, fp32 activations) in-process. One child process per
 thread count (inductor bakes the OpenMP thread count into its kernels, and torch reads OMP_NUM_THREADS at start):
 it builds an eager engine (``enforce_eager=True``) and a compiled one (``enforce_eager=False``, compiled for the
-``--running`` sizes only) over the same loaded weights, adds N requests of ``--prompt-tokens`` random tokens, runs
-until every prompt is computed, then times ``--steps`` decode steps; eager and compiled alternate per N, in the
-same process. Prints ms per decode step for each, the ratio, the compile time of the compiled engine (cold when
-the inductor cache is empty, warm otherwise) and with ``--profile`` the torch profiler's top ops of one step.
+``--running`` sizes only) over the same loaded weights, adds N requests of ``--prompt-tokens`` random tokens to
+each, runs until every prompt is computed, then times ``--steps`` decode steps, eager and compiled steps
+alternating (so a change in the machine's load hits both alike). Prints ms per decode step for each, the ratio,
+the compile time of the compiled engine ("cold" when inductor's cache missed, "warm" when it held every graph) and
+with ``--profile`` the torch profiler's top ops of one step per mode.
 """
 from __future__ import annotations
 
@@ -35,10 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def decode_step_ms(engine, running: int, args, profile: bool) -> tuple[float, str | None]:
-    """Mean ms of ``args.steps`` decode steps with ``running`` requests (prompts computed first)."""
-    import torch
-
+def start_decoding(engine, running: int, args) -> None:
+    """Add ``running`` requests of random prompts and step until every prompt is computed."""
     from pagedserve.engine.sampling_params import SamplingParams
 
     rng = random.Random(running)
@@ -50,19 +49,31 @@ def decode_step_ms(engine, running: int, args, profile: bool) -> tuple[float, st
             engine.scheduler.num_waiting:
         engine.step()
     engine.step()  # one untimed decode step
-    start = time.perf_counter()
+
+
+def decode_steps_ms(engines: dict, running: int, args) -> tuple[dict[str, float], dict[str, str | None]]:
+    """Mean ms of a decode step with ``running`` requests for each engine, their steps alternating (so a change
+    in what else runs on the machine hits both alike); with ``args.profile`` the top ops of one more step each."""
+    import torch
+
+    for engine in engines.values():
+        start_decoding(engine, running, args)
+    totals = dict.fromkeys(engines, 0.0)
     for _ in range(args.steps - 1):
-        engine.step()
-    ms = (time.perf_counter() - start) / (args.steps - 1) * 1e3
-    table = None
-    if profile:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for name, engine in engines.items():
+            start = time.perf_counter()
             engine.step()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    assert len(engine.scheduler.running) == running, "requests finished early"
-    while engine.has_unfinished():
-        engine.step()
-    return ms, table
+            totals[name] += time.perf_counter() - start
+    tables = dict.fromkeys(engines)
+    for name, engine in engines.items():
+        if args.profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                engine.step()
+            tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        assert len(engine.scheduler.running) == running, "requests finished early"
+        while engine.has_unfinished():
+            engine.step()
+    return {name: t / (args.steps - 1) * 1e3 for name, t in totals.items()}, tables
 
 
 def child(args) -> dict:
@@ -88,11 +99,11 @@ def child(args) -> dict:
                                   hf_config=cfg, compile_sizes=args.running)
     rows = []
     for running in args.running:
-        e_ms, e_prof = decode_step_ms(eager, running, args, args.profile)
-        c_ms, c_prof = decode_step_ms(compiled, running, args, args.profile)
-        rows.append(dict(running=running, eager_ms=e_ms, compiled_ms=c_ms, eager_profile=e_prof,
-                         compiled_profile=c_prof))
-    return dict(threads=args.threads[0], settings=settings, compile_s=info.compile_s, rows=rows)
+        ms, tables = decode_steps_ms({"eager": eager, "compiled": compiled}, running, args)
+        rows.append(dict(running=running, eager_ms=ms["eager"], compiled_ms=ms["compiled"],
+                         eager_profile=tables["eager"], compiled_profile=tables["compiled"]))
+    return dict(threads=args.threads[0], settings=settings, compile_s=info.compile_s,
+                compile_cache=info.compile_cache, rows=rows)
 
 
 def main(argv=None) -> int:
@@ -107,7 +118,8 @@ def main(argv=None) -> int:
     for threads in args.threads:
         cmd = [sys.executable, os.path.join(here, "compiled.py"), "--child", "--threads", str(threads),
                "--running", *map(str, args.running), "--prompt-tokens", str(args.prompt_tokens),
-               "--steps", str(args.steps), "--quantization", args.quantization] + (["--profile"] if args.profile else [])
+               "--steps", str(args.steps), "--quantization", args.quantization]
+        cmd += ["--profile"] if args.profile else []
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -117,7 +129,8 @@ def main(argv=None) -> int:
         result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
         for row in result["rows"]:
             print(f"{threads:7d}  {row['running']:7d}  {row['eager_ms']:13.1f}  {row['compiled_ms']:16.1f}  "
-                  f"{row['eager_ms'] / row['compiled_ms']:7.2f}x  ({result['compile_s']:.1f})")
+                  f"{row['eager_ms'] / row['compiled_ms']:7.2f}x  ({result['compile_s']:.1f} "
+                  f"{result['compile_cache']})")
             if args.profile:
                 print(f"--- eager, {row['running']} running, {threads} threads\n{row['eager_profile']}")
                 print(f"--- compiled, {row['running']} running, {threads} threads\n{row['compiled_profile']}")

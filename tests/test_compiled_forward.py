@@ -164,3 +164,12 @@ def test_embedded_greedy_compiled_equals_eager_and_hf(llm_parts, hf_llm):
         with torch.inference_mode():
             out = hf_llm.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
         assert outputs[0][f"r{i}"] == out[0, len(ids):].tolist(), CHAT_PROMPTS[i]
+
+
+def test_model_info_says_whether_compiled(server, client):
+    """GetModelInfo.compiled is the engine's mode (the session server runs the default for CPU fp32)."""
+    from pagedserve.engine.compiled import COMPILE_BY_DEFAULT_ON_CPU
+
+    info = server.app.services.generation.info
+    assert client.model_info().generation.compiled == info.compiled == (server.engine.runner.compiled is not None)
+    assert info.compiled is COMPILE_BY_DEFAULT_ON_CPU

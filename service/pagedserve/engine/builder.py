@@ -38,6 +38,7 @@ class EngineInfo:
     quantization: str   # the model's ``quantization`` ("none" or what models.quant_load built)
     compiled: bool = False               # the forward runs compiled (engine.compiled); False: eager
     compile_s: float | None = None       # seconds compiling took at start-up (None when eager)
+    compile_cache: str | None = None     # "warm" (inductor's on-disk cache held every graph) or "cold"; None: eager
 
 
 def resolve_device(name: str) -> torch.device:
@@ -168,5 +169,6 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
                       quantization=getattr(model, "quantization", "none"), compiled=runner.compiled is not None,
-                      compile_s=runner.compiled.compile_s if runner.compiled is not None else None)
+                      compile_s=runner.compiled.compile_s if runner.compiled is not None else None,
+                      compile_cache=runner.compiled.compile_cache if runner.compiled is not None else None)
     return engine, info

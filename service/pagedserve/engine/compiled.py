@@ -85,6 +85,8 @@ class CompiledForward:
             raise ValueError(f"compile sizes {sizes}: need at least one token count >= 1")
         self.model, self.backend, self.kv_caches, self.sizes = model, backend, kv_caches, sizes
         self.compile_s: float | None = None     # wall time of warm_up (compilation of every size), seconds
+        self.compile_cache: str | None = None   # after warm_up: "warm" when inductor's on-disk cache held every
+                                                # graph, "cold" when some were compiled afresh
         self.steps_by_size: collections.Counter = collections.Counter()  # steps run per padded size since warm-up
         self.num_eager_steps = 0                # steps larger than max_size, run eager
         self._no_caches = [None] * model.num_layers
@@ -129,10 +131,14 @@ class CompiledForward:
     @torch.inference_mode()
     def warm_up(self, progress: bool = True) -> float:
         """Compile every size (largest first) by running a step of padding only; returns the seconds it took and
-        keeps them in :attr:`compile_s`. ``progress`` shows a tqdm bar on a terminal."""
+        keeps them in :attr:`compile_s` (and whether inductor's FX graph cache held every graph in
+        :attr:`compile_cache`). ``progress`` shows a tqdm bar on a terminal."""
         from tqdm import tqdm
 
+        from torch._dynamo.utils import counters
+
         started = time.monotonic()
+        misses = counters["inductor"]["fxgraph_cache_miss"]
         device = self.model.norm.device
         for size in tqdm(sorted(self.sizes, reverse=True), desc="compiling", unit="size",
                          disable=None if progress else True, leave=False):
@@ -141,6 +147,8 @@ class CompiledForward:
             with step_context(self.backend, meta, self.kv_caches, 0):
                 self._compiled(ids, ids.clone())
         self.compile_s = time.monotonic() - started
+        self.compile_cache = "cold" if counters["inductor"]["fxgraph_cache_miss"] > misses else "warm"
         self.steps_by_size.clear()
-        log.info("compiled_forward", sizes=self.sizes, compile_s=round(self.compile_s, 2))
+        log.info("compiled_forward", sizes=self.sizes, compile_s=round(self.compile_s, 2),
+                 compile_cache=self.compile_cache)
         return self.compile_s
