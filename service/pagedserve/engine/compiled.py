@@ -39,8 +39,10 @@ def compile_supported(backend: AttentionBackend, device: torch.device) -> str | 
     return None
 
 
-#: Whether the forward compiles when ``enforce_eager`` is None, where it is supported (CPU): set from
-#: ``bench/compiled.py`` (see README "Compiled forward").
+#: Whether the forward compiles when ``enforce_eager`` is None, where it is supported (CPU). Off, from
+#: ``bench/compiled.py`` (README "Compiled forward"): with torch's default thread count (all cores) the compiled
+#: step measured 0.67-1.06x of eager on the shared 2-core machine (faster, 1.22-1.35x, only with one thread),
+#: and a cold compile takes minutes per size.
 COMPILE_BY_DEFAULT_ON_CPU = False
 
 
