@@ -65,6 +65,10 @@ class EngineConfig:
             talking over torch.distributed (gloo on CPU, NCCL on CUDA, one device per rank).
         collective_timeout_s: seconds a tensor-parallel collective may wait for a rank before the engine fails
             (a dead or hung worker then ends open calls with UNAVAILABLE).
+        enforce_eager: True runs the model eagerly (vLLM's ``--enforce-eager``); False compiles the forward with
+            torch.compile (attention opaque, token counts padded to fixed sizes, compiled at warm-up) wherever it
+            is supported (CPU, torch attention backend); None (default) compiles only where it measured faster
+            (see README "Compiled forward").
     """
 
     model: str | None = None
@@ -89,6 +93,7 @@ class EngineConfig:
     speculative_config: str | None = None
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 60.0
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",

@@ -906,6 +906,7 @@ class GenerationModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     QUANTIZATION_FIELD_NUMBER: _builtins.int
+    COMPILED_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name or path given to --model."""
@@ -929,8 +930,12 @@ class GenerationModelInfo(_message.Message):
     """What the served weights are: "none" (every weight in dtype), or the scheme and the layers built, e.g.
     "gguf: embedding Q8_0 (as stored), 120 linear int4-g32 (Q4_1 as stored), lm_head int8 per channel (...)".
     """
+    compiled: _builtins.bool
+    """True when the forward runs compiled (torch.compile with attention opaque, padded token counts); false when
+    eager (--enforce-eager, or where compiling is unsupported or not on by default).
+    """
     tensor_parallel_size: _builtins.int
-    """Ranks the model is split over (tensor parallelism; 1: one process). Number 13 is reserved for another field."""
+    """Ranks the model is split over (tensor parallelism; 1: one process)."""
     def __init__(
         self,
         *,
@@ -946,11 +951,12 @@ class GenerationModelInfo(_message.Message):
         device: _builtins.str = ...,
         prefix_caching: _builtins.bool = ...,
         quantization: _builtins.str = ...,
+        compiled: _builtins.bool = ...,
         tensor_parallel_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "device", b"device", "dtype", b"dtype", "kv_block_bytes", b"kv_block_bytes", "max_model_len", b"max_model_len", "name", b"name", "num_kv_blocks", b"num_kv_blocks", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "kv_block_bytes", b"kv_block_bytes", "max_model_len", b"max_model_len", "name", b"name", "num_kv_blocks", b"num_kv_blocks", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

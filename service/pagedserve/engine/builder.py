@@ -11,6 +11,7 @@ import torch
 from ..config import EngineConfig
 from ..models.loader import ModelSource
 from ..models.registry import architecture_of, build_model
+from .compiled import DEFAULT_COMPILE_SIZES, CompiledForward, use_compiled
 from .llm_engine import LLMEngine
 from .model_runner import ModelRunner, allocate_kv_caches, kv_block_bytes
 
@@ -36,6 +37,9 @@ class EngineInfo:
     prefix_caching: bool
     quantization: str   # the model's ``quantization`` ("none" or what models.quant_load built)
     tensor_parallel_size: int = 1   # ranks the model is split over
+    compiled: bool = False               # the forward runs compiled (engine.compiled); False: eager
+    compile_s: float | None = None       # seconds compiling took at start-up (None when eager)
+    compile_cache: str | None = None     # "warm" (inductor's on-disk cache held every graph) or "cold"; None: eager
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,12 +121,14 @@ def profile_peak_memory_bytes(config: EngineConfig, model, backend, device: torc
 
 
 def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=None,
-                 backend=None) -> tuple[LLMEngine, EngineInfo]:
-    """Load the model and tokenizer and size the KV cache.
+                 backend=None, compile_sizes=None) -> tuple[LLMEngine, EngineInfo]:
+    """Load the model and tokenizer, size the KV cache, and compile the forward unless it runs eager
+    (``config.enforce_eager``; :func:`pagedserve.engine.compiled.use_compiled`).
 
     ``model``/``tokenizer``/``hf_config`` may be passed in (tests build random-weight models); otherwise they are
     loaded from ``config.model``. ``backend`` (an attention backend object) overrides the one
-    ``config.attention_backend`` selects (tests run the emulated CUDA backend on CPU).
+    ``config.attention_backend`` selects (tests run the emulated CUDA backend on CPU). ``compile_sizes`` overrides
+    the padded token counts compiled (default :data:`~pagedserve.engine.compiled.DEFAULT_COMPILE_SIZES`).
 
     Raises:
         FileNotFoundError: the model path is missing.
@@ -171,6 +177,9 @@ def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, de
     kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
                                    model.head_dim, dtype, device)
     runner = ModelRunner(model, backend, kv_caches, config.block_size, device, config.seed)
+    if use_compiled(config.enforce_eager, backend, device, config.tensor_parallel_size):
+        runner.compiled = CompiledForward(model, backend, kv_caches, compile_sizes or DEFAULT_COMPILE_SIZES)
+        runner.compiled.warm_up()
     engine = LLMEngine(config, runner, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
                        int(hf_config.vocab_size))
@@ -180,5 +189,8 @@ def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, de
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
                       quantization=getattr(model, "quantization", "none"),
-                      tensor_parallel_size=getattr(getattr(model, "tp", None), "size", 1))
+                      tensor_parallel_size=getattr(getattr(model, "tp", None), "size", 1),
+                      compiled=runner.compiled is not None,
+                      compile_s=runner.compiled.compile_s if runner.compiled is not None else None,
+                      compile_cache=runner.compiled.compile_cache if runner.compiled is not None else None)
     return engine, info

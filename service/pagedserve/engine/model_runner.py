@@ -82,6 +82,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed)
+        self.compiled = None  # a CompiledForward (engine.compiled) when the forward runs compiled; None: eager
 
     def prepare(self, entries: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat ``input_ids [T]``, ``positions [T]`` (int64) and the attention metadata for ``entries``.
@@ -136,7 +137,10 @@ class ModelRunner:
             on_workers = getattr(self.model, "copy_kv_blocks", None)   # tensor parallelism: each rank's caches
             if on_workers is not None:
                 on_workers(sched.block_copies)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if self.compiled is not None:  # padded to a compiled size; hidden keeps only the step's rows
+            hidden = self.compiled(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         prompt_lps = self._prompt_logprobs(entries, hidden)
         sampled, sample_rows, pooled, pooled_rows, pos = [], [], [], [], 0
         for e in entries:

@@ -42,7 +42,10 @@ class LlamaAttention(nn.Module):
         q = rotary(positions, q.view(T, self.num_heads, self.head_dim), cos_sin)
         k = rotary(positions, k.view(T, self.num_kv_heads, self.head_dim), cos_sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if meta is None:  # compiled forward: attention + KV write as one opaque op reading the step context
+            out = torch.ops.pagedserve.paged_attention(q, k, v, self.layer_idx, self.scale)
+        else:
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -121,7 +124,9 @@ class LlamaForCausalLM(nn.Module):
             input_ids: ``[T]`` int64 token ids of the step's new tokens.
             positions: ``[T]`` int64 absolute positions.
             kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-            meta: the step's attention metadata.
+            meta: the step's attention metadata; None inside a compiled forward, whose attention layers call the
+                ``pagedserve::paged_attention`` custom op (:mod:`pagedserve.attention.opaque`) instead, reading the
+                metadata and caches from the step context (``kv_caches`` is then unused).
             backend: the attention backend; its ``elementwise`` ops run the RMSNorms, rotary embedding and SwiGLU.
 
         Returns:

@@ -1,0 +1,158 @@
+"""The compiled forward: ``torch.compile`` of the whole model with attention opaque, over padded token counts.
+
+A step of ``T`` new tokens runs the graph compiled for the smallest size in :attr:`CompiledForward.sizes` that holds
+it: input ids and positions are padded with zeros and the slot mapping with ``-1``, so the padded rows write no KV
+(see :mod:`pagedserve.attention.opaque`), and only the first ``T`` rows of the hidden states are returned (padded
+rows produce no logits). Each size is compiled once with static shapes (``dynamic=False``) during warm-up, before
+the server reports SERVING; a step larger than the largest size runs the eager model, so serving never compiles.
+Inductor's on-disk caches (FX graph and AOTAutograd caches, under ``TORCHINDUCTOR_CACHE_DIR``) make a second start
+with the same model and sizes much faster than the first.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import time
+
+import structlog
+import torch
+
+from .. import ops
+from ..attention.base import AttentionBackend, AttentionMetadata
+from ..attention.opaque import step_context
+
+log = structlog.get_logger(__name__)
+
+#: Padded token counts compiled by default: every decode batch up to 64 requests and short prefill chunks.
+DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def compile_supported(backend: AttentionBackend, device: torch.device, tensor_parallel_size: int = 1) -> str | None:
+    """Why the forward cannot be compiled with ``backend`` on ``device`` (None when it can): the model's elementwise
+    layers must be the torch ones (dynamo cannot trace the CuPy kernels), and the device the CPU (on CUDA the plan
+    is CUDA graphs, not built yet)."""
+    if tensor_parallel_size > 1:
+        return "tensor parallelism runs its shards eagerly (the collectives are not traced)"
+    if backend.elementwise is not ops.TORCH_OPS:
+        return f"the {backend.name} backend's elementwise kernels are not traceable"
+    if torch.device(device).type != "cpu":
+        return f"compilation is implemented for CPU only, not {device}"
+    return None
+
+
+#: Whether the forward compiles when ``enforce_eager`` is None, where it is supported (CPU). Off, from
+#: ``bench/compiled.py`` (README "Compiled forward"): with torch's default thread count (all cores) the compiled
+#: step measured 0.67-1.06x of eager on the shared 2-core machine (faster, 1.22-1.35x, only with one thread),
+#: and a cold compile takes minutes per size.
+COMPILE_BY_DEFAULT_ON_CPU = False
+
+
+def use_compiled(enforce_eager: bool | None, backend: AttentionBackend, device, tensor_parallel_size: int = 1) -> bool:
+    """Whether to compile: never with ``enforce_eager=True``; with False wherever supported (RuntimeError when
+    not, saying why); with None where supported and measured faster (:data:`COMPILE_BY_DEFAULT_ON_CPU`)."""
+    if enforce_eager:
+        return False
+    reason = compile_supported(backend, device, tensor_parallel_size)
+    if enforce_eager is False and reason is not None:
+        raise RuntimeError(f"enforce_eager=False: cannot compile the forward: {reason}")
+    return reason is None and (enforce_eager is False or COMPILE_BY_DEFAULT_ON_CPU)
+
+
+def empty_meta(num_tokens: int, device) -> AttentionMetadata:
+    """Metadata of a step with no sequence and ``num_tokens`` padded rows (every slot ``-1``): what warm-up runs."""
+    i32 = dict(dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros((0, 1), **i32), context_lens=torch.zeros(0, **i32),
+        query_start_loc=torch.zeros(1, **i32), query_lens=torch.zeros(0, **i32), max_query_len=0,
+        max_context_len=0, num_decode_seqs=0, query_lens_cpu=[], context_lens_cpu=[])
+
+
+class CompiledForward:
+    """The model's forward compiled by inductor for a fixed list of token counts.
+
+    Args:
+        model: a model whose ``forward(input_ids, positions, kv_caches, meta=None, backend)`` calls the
+            ``pagedserve::paged_attention`` op (:class:`~pagedserve.models.llama.LlamaForCausalLM`).
+        backend: the attention backend the op runs.
+        kv_caches: the runner's per layer ``(k_cache, v_cache)``.
+        sizes: token counts to compile, any order; duplicates are dropped.
+
+    Raises:
+        ValueError: ``sizes`` empty or holding a count < 1.
+    """
+
+    def __init__(self, model, backend: AttentionBackend, kv_caches, sizes=DEFAULT_COMPILE_SIZES):
+        sizes = sorted(set(int(s) for s in sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"compile sizes {sizes}: need at least one token count >= 1")
+        self.model, self.backend, self.kv_caches, self.sizes = model, backend, kv_caches, sizes
+        self.compile_s: float | None = None     # wall time of warm_up (compilation of every size), seconds
+        self.compile_cache: str | None = None   # after warm_up: "warm" when inductor's on-disk cache held every
+                                                # graph, "cold" when some were compiled afresh
+        self.steps_by_size: collections.Counter = collections.Counter()  # steps run per padded size since warm-up
+        self.num_eager_steps = 0                # steps larger than max_size, run eager
+        self._no_caches = [None] * model.num_layers
+        # One frame compiled for len(sizes) static shapes: allow that many entries without dynamo giving up or
+        # turning the token dimension dynamic.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(sizes) + 8)
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * len(sizes) + 64)
+        self._compiled = torch.compile(self._graph, dynamic=False, fullgraph=True)
+
+    def _graph(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self._no_caches, None, self.backend)
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The compiled size a step of ``num_tokens`` runs at; None when it is larger than every size."""
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the step (``input_ids``/``positions`` ``[T]`` int64, ``meta`` for T
+        rows), from the graph of the padded size; the eager model when ``T > max_size``."""
+        num_tokens = input_ids.shape[0]
+        size = self.padded_size(num_tokens)
+        if size is None:
+            self.num_eager_steps += 1
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        self.steps_by_size[size] += 1
+        pad = size - num_tokens
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+            positions = torch.nn.functional.pad(positions, (0, pad))
+            meta = dataclasses.replace(meta, slot_mapping=torch.nn.functional.pad(meta.slot_mapping, (0, pad),
+                                                                                  value=-1))
+        with step_context(self.backend, meta, self.kv_caches, num_tokens):
+            hidden = self._compiled(input_ids, positions)
+        return hidden[:num_tokens] if pad else hidden
+
+    @torch.inference_mode()
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile every size (largest first) by running a step of padding only; returns the seconds it took and
+        keeps them in :attr:`compile_s` (and whether inductor's FX graph cache held every graph in
+        :attr:`compile_cache`). ``progress`` shows a tqdm bar on a terminal."""
+        from tqdm import tqdm
+
+        from torch._dynamo.utils import counters
+
+        started = time.monotonic()
+        misses = counters["inductor"]["fxgraph_cache_miss"]
+        device = self.model.norm.device
+        for size in tqdm(sorted(self.sizes, reverse=True), desc="compiling", unit="size",
+                         disable=None if progress else True, leave=False):
+            meta = empty_meta(size, device)
+            ids = torch.zeros(size, dtype=torch.int64, device=device)
+            with step_context(self.backend, meta, self.kv_caches, 0):
+                self._compiled(ids, ids.clone())
+        self.compile_s = time.monotonic() - started
+        self.compile_cache = "cold" if counters["inductor"]["fxgraph_cache_miss"] > misses else "warm"
+        self.steps_by_size.clear()
+        log.info("compiled_forward", sizes=self.sizes, compile_s=round(self.compile_s, 2),
+                 compile_cache=self.compile_cache)
+        return self.compile_s
