@@ -104,3 +104,25 @@ def server_sharing_model(server, embedding_model: str = "", http_port: int = 0, 
         yield s
     finally:
         s.stop()
+
+
+def prefill_hidden(model, ids: list[int]):
+    """Final hidden states ``[T, hidden]`` of one prefill of ``ids`` through a pagedserve model (torch attention, a
+    fresh KV cache of the model's (rank's) heads, block size 16), under inference mode."""
+    import torch
+
+    from pagedserve.attention.base import AttentionMetadata
+    from pagedserve.attention.torch_ref import TorchAttentionBackend
+    from pagedserve.engine.model_runner import allocate_kv_caches
+
+    T, bs = len(ids), 16
+    nb = -(-T // bs)
+    kv = allocate_kv_caches(model.num_layers, nb, bs, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    i32 = dict(dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(T), block_tables=torch.arange(nb, **i32)[None],
+        context_lens=torch.tensor([T], **i32), query_start_loc=torch.tensor([0, T], **i32),
+        query_lens=torch.tensor([T], **i32), max_query_len=T, max_context_len=T, num_decode_seqs=0,
+        query_lens_cpu=[T], context_lens_cpu=[T])
+    with torch.inference_mode():
+        return model(torch.tensor(ids), torch.arange(T), kv, meta, TorchAttentionBackend())

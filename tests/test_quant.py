@@ -125,20 +125,10 @@ def _fixed_text_ids(tokenizer) -> list[int]:
 @torch.inference_mode()
 def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-1 predictions ``[T-1]``, next-token NLL ``[T-1]``) of one prefill over ``ids``."""
-    from pagedserve.attention.base import AttentionMetadata
-    from pagedserve.attention.torch_ref import TorchAttentionBackend
-    from pagedserve.engine.model_runner import allocate_kv_caches
+    from support import prefill_hidden
 
-    T, bs = len(ids), 16
-    nb = -(-T // bs)
-    kv = allocate_kv_caches(model.num_layers, nb, bs, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
-    i32 = dict(dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(T), block_tables=torch.arange(nb, **i32)[None],
-        context_lens=torch.tensor([T], **i32), query_start_loc=torch.tensor([0, T], **i32),
-        query_lens=torch.tensor([T], **i32), max_query_len=T, max_context_len=T, num_decode_seqs=0,
-        query_lens_cpu=[T], context_lens_cpu=[T])
-    hidden = model(torch.tensor(ids), torch.arange(T), kv, meta, TorchAttentionBackend())[:-1]
+    T = len(ids)
+    hidden = prefill_hidden(model, ids)[:-1]
     targets = torch.tensor(ids[1:])
     top1, nll = [], []
     for s in range(0, T - 1, 256):

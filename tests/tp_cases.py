@@ -133,21 +133,11 @@ def save_random_llama(directory: str, num_heads: int = 4, num_kv_heads: int = 2)
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     """float32 ``[T, vocab]`` logits of one prefill of ``ids`` through a pagedserve model (torch attention, a
     fresh KV cache of this rank's heads)."""
-    from pagedserve.attention.base import AttentionMetadata
-    from pagedserve.attention.torch_ref import TorchAttentionBackend
-    from pagedserve.engine.model_runner import allocate_kv_caches
+    from support import prefill_hidden
 
-    T, bs = len(ids), 16
-    nb = -(-T // bs)
-    kv = allocate_kv_caches(model.num_layers, nb, bs, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
-    i32 = dict(dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(T), block_tables=torch.arange(nb, **i32)[None],
-        context_lens=torch.tensor([T], **i32), query_start_loc=torch.tensor([0, T], **i32),
-        query_lens=torch.tensor([T], **i32), max_query_len=T, max_context_len=T, num_decode_seqs=0,
-        query_lens_cpu=[T], context_lens_cpu=[T])
+    hidden = prefill_hidden(model, ids)
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(T), kv, meta, TorchAttentionBackend()))
+        return model.compute_logits(hidden)
 
 
 def greedy_over_grpc(client, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -149,15 +149,15 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
         model = build_model(source, hf_config, dtype, device, config.quantization, config.quant_group_size,
                             linear_kernels=config.linear_kernels)
     try:
-        return _finish_engine(config, model, tokenizer, hf_config, source, device, dtype, backend)
+        return _finish_engine(config, model, tokenizer, hf_config, source, device, dtype, backend, compile_sizes)
     except BaseException:
         if hasattr(model, "close"):  # tensor-parallel workers
             model.close()
         raise
 
 
-def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, device, dtype,
-                   backend) -> tuple[LLMEngine, EngineInfo]:
+def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, device, dtype, backend,
+                   compile_sizes) -> tuple[LLMEngine, EngineInfo]:
     backend = backend or select_backend(config.attention_backend, device)
     block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
     num_blocks = config.num_kv_blocks or max(1, kv_cache_bytes(config, model, backend, device) // block_bytes)
