@@ -33,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto")
+    p.add_argument("--attention-backend", choices=["auto", "cpu", "torch"], default="auto",
+                   help="auto: the CPU backend (decodes on the C++ kernel) where the kernels load")
     p.add_argument("--linear-kernels", choices=["auto", "torch"], default="auto",
                    help="pagedserve's CPU linear kernels (auto) or torch's")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     from pagedserve.engine.sampler import Sampler
     from pagedserve.engine.sampling_params import SamplingParams
 
-    config = EngineConfig(device="cpu", dtype=args.dtype, attention_backend="torch", max_num_seqs=args.running,
+    config = EngineConfig(device="cpu", dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.running,
                           quantization=args.quantization, linear_kernels=args.linear_kernels,
                           max_model_len=args.prompt_tokens + args.steps + 16)
     engine, _ = build_engine(config)

@@ -12,7 +12,7 @@ from pagedserve.models.cpu_linear import (StreamingInt4Linear, StreamingInt8Line
                                           cpu_kernels_enabled, use_cpu_kernels)
 from pagedserve.models.quant import Int4Weight, Int8BlockWeight, quantize_int4, quantize_int8_per_channel
 
-pytestmark = pytest.mark.skipif(cpu_linear_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(cpu_linear_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
 
 TOKEN_COUNTS = [1, 2, 3, 4, 5, 9, 33, 70]   # fused (<= 4) and blocked paths, a partial 32-token block, > 64
 
@@ -22,6 +22,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 4 * x.shape[1] * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().t()) + 1e-6
 
 
+@needs_kernels
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 def test_f32_kernel_matches_float64(m):
     gen = torch.Generator().manual_seed(m)
@@ -34,6 +35,7 @@ def test_f32_kernel_matches_float64(m):
                           atol=1e-4, rtol=1e-5)
 
 
+@needs_kernels
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_layer_matches_dequantized_weight(m, group):
@@ -48,6 +50,7 @@ def test_int4_layer_matches_dequantized_weight(m, group):
     assert ((got.double() - ref).abs() <= _bound(x, dense) + 1e-5 * ref.abs()).all()
 
 
+@needs_kernels
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 def test_int8_layers_match_dequantized_weight(m):
     """Q8_0 blocks (group 32, float16 scales) and int8 per output channel (one group of K)."""
@@ -63,6 +66,7 @@ def test_int8_layers_match_dequantized_weight(m):
         assert ((got.double() - ref).abs() <= _bound(x, dense)).all()
 
 
+@needs_kernels
 def test_layers_keep_shapes_and_dtype():
     """Leading dimensions pass through; bfloat16 activations come back bfloat16."""
     w = torch.randn(24, 64)
@@ -74,6 +78,7 @@ def test_layers_keep_shapes_and_dtype():
     assert q4(x.bfloat16()).dtype == torch.bfloat16
 
 
+@needs_kernels
 def test_large_token_counts_use_torch_gemm():
     """Above F32_MAX_TOKENS rows StreamingLinear is F.linear (prefill), bit for bit."""
     from pagedserve.models.cpu_linear import F32_MAX_TOKENS
@@ -82,6 +87,7 @@ def test_large_token_counts_use_torch_gemm():
     assert torch.equal(StreamingLinear(w)(x), F.linear(x, w))
 
 
+@needs_kernels
 def test_bad_arguments_raise():
     ops = torch.ops.pagedserve_cpu
     w = torch.randn(8, 64)
@@ -98,6 +104,7 @@ def test_bad_arguments_raise():
         cpu_kernels_enabled("fast", torch.device("cpu"))
 
 
+@needs_kernels
 def test_use_cpu_kernels_swaps_linears_and_ties_lm_head():
     """float32 nn.Linear leaves become StreamingLinear sharing their weight; a tied LM head is built over the
     embedding's storage (no copy)."""
@@ -115,6 +122,7 @@ def test_use_cpu_kernels_swaps_linears_and_ties_lm_head():
     assert torch.allclose(model.lm_head(h), h @ model.embed_tokens.weight.t(), atol=1e-5)
 
 
+@needs_kernels
 def test_embedded_gguf_layers_exact(llm_int4, llm_parts):
     """The embedded GGUF on the own kernels: Q4_1 linears and the Q8_0 tied LM head as stored give the dequantized
     fp32 model's outputs within float32 rounding (no bfloat16 anywhere)."""
@@ -127,3 +135,16 @@ def test_embedded_gguf_layers_exact(llm_int4, llm_parts):
                                  (llm_int4.compute_logits, fp32.compute_logits)):
         got, ref = got_layer(h), ref_layer(h)
         assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_kernels_build_where_they_should():
+    """On an x86-64 CPU with AVX2 and a C++ compiler the library must build and load (so the tests above cannot
+    skip silently on a machine where they are meant to run)."""
+    import platform
+    import shutil
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or \
+            torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or \
+            not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no AVX2 x86-64 CPU or no C++ compiler here")
+    assert cpu_linear_ops() is not None, unavailable_reason()

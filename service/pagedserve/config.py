@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "cuda", "torch")
+ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -31,7 +31,8 @@ class EngineConfig:
         model: path to an HF model directory or GGUF file; None for the embedded SmolLM2-135M-Instruct.
         dtype: "float32", "float16" or "bfloat16"; "auto" is float32 on CPU and bfloat16 on CUDA.
         device: "cpu", "cuda" or "cuda:N"; "auto" picks cuda when available.
-        attention_backend: "auto", "cuda" or "torch".
+        attention_backend: "auto", "cpu", "cuda" or "torch" (the reference). "auto" is cuda on a GPU, and on CPU
+            "cpu" (decodes on pagedserve's C++ paged-attention kernel, prefills on torch) where the kernels load.
         block_size: tokens per KV block.
         max_model_len: context length at most (prompt + output); None: the model's, capped to the KV capacity.
         max_num_seqs: running requests at most.
@@ -104,7 +105,7 @@ class EngineConfig:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
-        _check(self.attention_backend in ("auto", "cuda", "torch"), "attention_backend",
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"unknown backend {self.attention_backend!r}")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
                f"unknown device {self.device!r}")

@@ -90,6 +90,7 @@ def _register_fakes() -> None:
 
     for name in ("linear_f32", "linear_q4", "linear_q8"):
         torch.library.register_fake(f"pagedserve_cpu::{name}")(fake)
+    torch.library.register_fake("pagedserve_cpu::paged_decode_attention")(lambda q, *args: torch.empty_like(q))
 
 
 def _check_cpu() -> str | None:

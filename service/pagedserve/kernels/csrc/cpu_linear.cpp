@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -297,9 +298,93 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
+// Paged decode attention: one query token per sequence against its whole context in the paged KV cache, read in
+// place through the block table (no gather). out[s, h] = softmax(scale * q[s, h] . K[s, :, h / G]) V[s, :, h / G]
+// with G = H / Hkv query heads per KV head (GQA). Work item: (sequence, KV head); its G query heads share each K/V
+// row read. Scores are kept in a per-thread buffer [G, context], softmax in float32 with the row maximum subtracted.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [S, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "k_cache, v_cache must be contiguous float32 [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32 [S, max_blocks]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt, "context_lens must be int32 [S]");
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), max_blocks = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
+  TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.size(0) == S && context_lens.size(0) == S, "one block table row and length per sequence");
+  const int64_t G = H / Hkv;
+  const int32_t* lens = context_lens.contiguous().data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context length out of range for sequence ", s);
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
+                  "block id out of range for sequence ", s);
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / Hkv, kvh = item % Hkv, len = lens[s];
+      scores.resize(G * len);
+      const float* qs = qp + (s * H + kvh * G) * D;
+      // Per query head: q and the output row stay in registers (D <= 128: 16 vectors) while the context streams.
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = scores.data() + g * len;
+        const float* qg = qs + g * D;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < len; ++t) {
+          const int64_t block = tables[s * max_blocks + t / block_size];
+          const float* krow = kp + ((block * block_size + t % block_size) * Hkv + kvh) * D;
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+          int64_t d = 0;
+          for (; d + 16 <= D; d += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(krow + d + 8), a1);
+          }
+          if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), a0);
+          row[t] = hsum(_mm256_add_ps(a0, a1)) * sc;
+          mx = std::max(mx, row[t]);
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < len; ++t) {
+          row[t] = std::exp(row[t] - mx);
+          sum += row[t];
+        }
+        const float inv = 1.0f / sum;
+        float* o = op + (s * H + kvh * G + g) * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {   // output in chunks of 8 vectors held in registers
+          const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
+          __m256 acc[8];
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+          for (int64_t t = 0; t < len; ++t) {
+            const int64_t block = tables[s * max_blocks + t / block_size];
+            const float* vrow = vp + ((block * block_size + t % block_size) * Hkv + kvh) * D + d0;
+            const __m256 p = _mm256_set1_ps(row[t]);
+            for (int i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * i), acc[i]);
+          }
+          const __m256 scale_v = _mm256_set1_ps(inv);
+          for (int i = 0; i < nv; ++i) _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], scale_v));
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
@@ -309,4 +394,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_q4", &linear_q4);
   m.impl("linear_q8", &linear_q8);
+  m.impl("paged_decode_attention", &paged_decode_attention);
 }
