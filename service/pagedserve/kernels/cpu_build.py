@@ -71,6 +71,7 @@ def build(cache_dir: Path = CACHE_DIR) -> Path:
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    log.info("cpu_kernels_building", source=SOURCE, compiler=cxx, target=str(target))  # about 20 s, once per cache
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         src = Path(tmp) / SOURCE
         src.write_text(text)
