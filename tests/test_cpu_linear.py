@@ -1,4 +1,4 @@
-"""pagedserve's CPU linear kernels (kernels/csrc/cpu_linear.cpp, models/cpu_linear.py) against float64 references:
+"""pagedserve's CPU linear kernels (kernels/csrc/cpu_kernels.cpp, models/cpu_linear.py) against float64 references:
 every token count of the small-M and blocked paths, N not a multiple of the row tile, bias, bad arguments, and the
 layers built at load (float32 swap, tied LM head, GGUF Q4_1 and Q8_0 as stored)."""
 from __future__ import annotations

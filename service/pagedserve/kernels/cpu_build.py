@@ -1,10 +1,11 @@
-"""Building and loading the CPU linear kernels (``csrc/cpu_linear.cpp``) as torch custom ops.
+"""Building and loading pagedserve's CPU kernels (``csrc/cpu_kernels.cpp``) as torch custom ops.
 
 The C++ source ships as package data. On first use it is compiled with the system C++ compiler against the installed
 torch's headers and libraries (about 20 s on 2 cores) into a shared library cached under
 ``~/.cache/pagedserve/cpu_kernels/`` (keyed by a hash of the source, the flags and the torch version; written to a
 temporary name and renamed, so concurrent builds are safe), then loaded with ``torch.ops.load_library``. The ops
-(``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8``, see the source's header for the formats) get fake
+(``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8 / paged_decode_attention``, see the source's header
+for the formats) get fake
 (meta) implementations so ``torch.compile`` traces through them as opaque calls.
 
 The kernels need an x86-64 CPU with AVX2 and FMA; :func:`cpu_linear_ops` returns None, with the reason in
@@ -29,7 +30,7 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-SOURCE = "cpu_linear.cpp"
+SOURCE = "cpu_kernels.cpp"
 CXX_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-w")
 CACHE_DIR = Path.home() / ".cache" / "pagedserve" / "cpu_kernels"
 

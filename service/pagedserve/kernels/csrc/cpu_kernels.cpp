@@ -1,4 +1,7 @@
-// Weight-streaming linears for x86-64 CPUs with AVX2 + FMA: y[M, N] = x[M, K] . W[N, K]^T (+ bias), float32
+// pagedserve's CPU kernels for x86-64 with AVX2 + FMA: the weight-streaming linears below and, at the end, a paged
+// decode-attention kernel (paged_decode_attention).
+//
+// Linears: y[M, N] = x[M, K] . W[N, K]^T (+ bias), float32
 // activations and accumulation, W stored as float32, as 4-bit codes with a scale and a min per group, or as int8
 // codes with a scale per group.
 //
@@ -317,7 +320,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) == S && context_lens.size(0) == S, "one block table row and length per sequence");
   const int64_t G = H / Hkv;
-  const int32_t* lens = context_lens.contiguous().data_ptr<int32_t>();
+  const at::Tensor lens_tensor = context_lens.contiguous();   // kept alive: lens points into it
+  const int32_t* lens = lens_tensor.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t num_blocks = k_cache.size(0);
   for (int64_t s = 0; s < S; ++s) {
