@@ -1,7 +1,7 @@
 """CPU backend: the torch reference for prefill chunks, pagedserve's C++ paged decode-attention kernel for decodes.
 
 Decode rows read their context straight from the paged KV cache through the block table
-(``torch.ops.pagedserve_cpu.paged_decode_attention``, ``kernels/csrc/cpu_linear.cpp``), instead of the reference's
+(``torch.ops.pagedserve_cpu.paged_decode_attention``, ``kernels/csrc/cpu_kernels.cpp``), instead of the reference's
 gather of every block into a buffer followed by a masked SDPA per group, which at 32 running requests with 300-token
 contexts copies about 440 MB of K/V per step. Prefill chunks keep the reference path (torch's CPU flash kernel).
 float32 caches only; other dtypes, and a CPU where the kernels do not load, get the reference path throughout.
@@ -12,7 +12,7 @@ import torch
 
 from ..kernels.cpu_build import cpu_linear_ops
 from .base import AttentionMetadata
-from .torch_ref import TorchAttentionBackend, paged_attention_ref, plan_step, reshape_and_cache
+from .torch_ref import StepPlan, TorchAttentionBackend, paged_attention_ref
 
 
 def cpu_decode_kernel_available() -> bool:
@@ -33,18 +33,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if nd == 0 or query.dtype != torch.float32 or k_cache.dtype != torch.float32 or query.shape[-1] % 8 or \
                 query.device.type != "cpu":
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)
-        if query.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
-            raise ValueError(f"bad shapes: query {tuple(query.shape)}, key {tuple(key.shape)}, "
-                             f"value {tuple(value.shape)}")
-        reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(query, key, value, k_cache, v_cache, meta)
         decode = torch.ops.pagedserve_cpu.paged_decode_attention(
             query[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd].contiguous(), meta.context_lens[:nd],
             float(scale))
         if nd == meta.num_seqs:
             return decode
-        if meta is not self._plan_meta:
-            self._plan, self._plan_meta = plan_step(meta, k_cache.shape[1]), meta
-        prefill_plan = type(self._plan)([], self._plan.prefill_masks, self._plan.query_starts)
-        out = paged_attention_ref(query, k_cache, v_cache, meta, scale, prefill_plan, key, value, self._workspace)
+        plan = self._step_plan(meta, k_cache.shape[1])
+        prefill_only = StepPlan([], plan.prefill_masks, plan.query_starts)
+        out = paged_attention_ref(query, k_cache, v_cache, meta, scale, prefill_only, key, value, self._workspace)
         out[:nd] = decode
         return out

@@ -203,12 +203,21 @@ class TorchAttentionBackend(AttentionBackend):
         self._workspace = Workspace()
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        self._write_kv(query, key, value, k_cache, v_cache, meta)
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]),
+                                   key, value, self._workspace)
+
+    def _write_kv(self, query, key, value, k_cache, v_cache, meta) -> None:
+        """Check the shapes and dtypes, then write the step's K/V rows into the caches (slot -1 rows skipped)."""
         if query.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
             raise ValueError(f"bad shapes: query {tuple(query.shape)}, key {tuple(key.shape)}, "
                              f"value {tuple(value.shape)}")
         if k_cache.dtype != key.dtype:
             raise ValueError(f"k_cache dtype {k_cache.dtype} != key dtype {key.dtype}")
         reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-        if meta is not self._plan_meta:  # one plan per step, shared by its layers
-            self._plan, self._plan_meta = plan_step(meta, k_cache.shape[1]), meta
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._plan, key, value, self._workspace)
+
+    def _step_plan(self, meta, block_size: int) -> StepPlan:
+        """:func:`plan_step` of ``meta``, built once per step and shared by its layers."""
+        if meta is not self._plan_meta:
+            self._plan, self._plan_meta = plan_step(meta, block_size), meta
+        return self._plan
