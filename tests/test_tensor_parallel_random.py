@@ -107,19 +107,25 @@ def test_beam_search_at_size2_equals_size1(tp2_client, random_dir):
         one.stop()
 
 
-def test_killed_worker_gives_unavailable_and_not_serving(tp2_server, tp2_client):
-    """Runs last in this module: it breaks the shared size-2 server on purpose."""
-    pid = tp2_server.engine.runner.model.worker_pids[0]
-    stream = iter(tp2_client.generate(prompt_token_ids=PROMPTS[0], temperature=0.0, max_tokens=1800,
-                                      min_tokens=1800))
+def signal_worker_mid_stream(client, pid: int, sig: int) -> tuple[grpc.RpcError, float]:
+    """Start a long greedy stream, send ``sig`` to worker ``pid`` after its first message, and read on until the
+    stream fails: returns the error and the seconds from the signal to the failure (the test fails if the stream
+    ends without one)."""
+    stream = iter(client.generate(prompt_token_ids=PROMPTS[0], temperature=0.0, max_tokens=1800, min_tokens=1800))
     next(stream)
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
+    os.kill(pid, sig)
+    sent = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         for _ in stream:
             pass
-    detected_s = time.monotonic() - killed
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    return err.value, time.monotonic() - sent
+
+
+def test_killed_worker_gives_unavailable_and_not_serving(tp2_server, tp2_client):
+    """Runs last in this module: it breaks the shared size-2 server on purpose."""
+    pid = tp2_server.engine.runner.model.worker_pids[0]
+    err, detected_s = signal_worker_mid_stream(tp2_client, pid, signal.SIGKILL)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
     assert detected_s < COLLECTIVE_TIMEOUT_S
     wait_until(lambda: tp2_client.health(SERVICE) == "NOT_SERVING", 10, "health should turn NOT_SERVING")
     with pytest.raises(grpc.RpcError) as err:
@@ -140,15 +146,8 @@ def test_hung_worker_fails_calls_after_the_collective_timeout(random_dir):
     try:
         pid = server.engine.runner.model.worker_pids[0]
         with PagedServeClient(server.target, timeout_s=120) as c:
-            stream = iter(c.generate(prompt_token_ids=PROMPTS[0], temperature=0.0, max_tokens=1800, min_tokens=1800))
-            next(stream)
-            os.kill(pid, signal.SIGSTOP)
-            stopped = time.monotonic()
-            with pytest.raises(grpc.RpcError) as err:
-                for _ in stream:
-                    pass
-            detected_s = time.monotonic() - stopped
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            err, detected_s = signal_worker_mid_stream(c, pid, signal.SIGSTOP)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
             assert timeout_s * 0.9 <= detected_s < 4 * timeout_s, detected_s
             wait_until(lambda: c.health(SERVICE) == "NOT_SERVING", 10, "health should turn NOT_SERVING")
         wait_until(lambda: not alive(pid), 15, "the hung worker should be killed")
