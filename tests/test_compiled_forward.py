@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from backend_cases import random_llama
+from pagedserve.attention.cpu import cpu_decode_kernel_available
 from paged_batch import make_caches, make_meta
 
 TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -19,14 +20,14 @@ TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
 TINY_SIZES = (4, 16, 64)
 
 
-def tiny_engine(tiny, enforce_eager: bool):
+def tiny_engine(tiny, enforce_eager: bool, attention_backend: str = "torch", sizes=TINY_SIZES):
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
 
     model, cfg, tokenizer = tiny
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", num_kv_blocks=1200,
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend=attention_backend, num_kv_blocks=1200,
                           max_model_len=512, max_num_batched_tokens=64, max_num_seqs=64, enforce_eager=enforce_eager)
-    return build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg, compile_sizes=TINY_SIZES)
+    return build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg, compile_sizes=sizes)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,22 @@ def test_mixed_workload_equals_eager_without_recompiling(tiny, tiny_compiled):
     assert dynamo_counts() == counts
     assert compiled.num_eager_steps == 0 and set(compiled.steps_by_size) == set(TINY_SIZES)
     eager_engine, _ = tiny_engine(tiny, enforce_eager=True)
+    assert ours == run_greedy(eager_engine, prompts, max_tokens)
+
+
+@pytest.mark.skipif(not cpu_decode_kernel_available(), reason="CPU kernels unavailable")
+def test_cpu_backend_compiles_with_its_kernels_and_equals_eager(tiny):
+    """The CPU backend (C++ decode attention and elementwise kernels, traced as custom ops) compiled for 16 tokens:
+    decode batches padded with slot -1 rows give the eager CPU engine's greedy tokens, without recompiling."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 256) for _ in range(rng.randint(5, 60))] for _ in range(11)]
+    max_tokens = [rng.randint(2, 12) for _ in range(11)]
+    engine, info = tiny_engine(tiny, enforce_eager=False, attention_backend="cpu", sizes=(16,))
+    assert info.compiled and engine.runner.compiled.backend.name == "cpu"
+    counts = dynamo_counts()
+    ours = run_greedy(engine, prompts, max_tokens)
+    assert dynamo_counts() == counts and engine.runner.compiled.steps_by_size[16] > 0
+    eager_engine, _ = tiny_engine(tiny, enforce_eager=True, attention_backend="cpu")
     assert ours == run_greedy(eager_engine, prompts, max_tokens)
 
 

@@ -78,13 +78,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class ElementwiseOps:
     """One implementation of the model's elementwise layers. The attention backend carries the set that runs with
     it (:attr:`pagedserve.attention.base.AttentionBackend.elementwise`), so the model code never names a device:
-    :data:`TORCH_OPS` (the references above, any device) or :data:`pagedserve.kernels.CUDA_OPS` (the kernels of
-    cuda/elementwise.cu)."""
+    :data:`TORCH_OPS` (the references above, any device), :data:`pagedserve.kernels.CUDA_OPS` (the kernels of
+    cuda/elementwise.cu) or :data:`pagedserve.kernels.cpu_elementwise.CPU_OPS` (the C++ kernels of
+    kernels/csrc/cpu_kernels.cpp). ``traceable``: whether dynamo can trace them (torch ops or registered custom
+    ops with fake implementations), so that the compiled forward may run them."""
 
     name: str
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    traceable: bool = True
 
 
 TORCH_OPS = ElementwiseOps("torch", rms_norm, rotary_embedding, silu_and_mul)

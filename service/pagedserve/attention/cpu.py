@@ -5,12 +5,15 @@ Decode rows read their context straight from the paged KV cache through the bloc
 gather of every block into a buffer followed by a masked SDPA per group, which at 32 running requests with 300-token
 contexts copies about 440 MB of K/V per step. Prefill chunks keep the reference path (torch's CPU flash kernel).
 float32 caches only; other dtypes, and a CPU where the kernels do not load, get the reference path throughout.
+The model's RMSNorm, rotary embedding and SwiGLU run on the C++ elementwise kernels
+(:data:`pagedserve.kernels.cpu_elementwise.CPU_OPS`, reference fallback likewise).
 """
 from __future__ import annotations
 
 import torch
 
 from ..kernels.cpu_build import cpu_linear_ops
+from ..kernels.cpu_elementwise import CPU_OPS
 from .base import AttentionMetadata
 from .torch_ref import StepPlan, TorchAttentionBackend, paged_attention_ref
 
@@ -27,6 +30,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """
 
     name = "cpu"
+    elementwise = CPU_OPS
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
         nd = meta.num_decode_seqs
@@ -38,7 +42,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             query[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd].contiguous(), meta.context_lens[:nd],
             float(scale))
         if nd == meta.num_seqs:
-            return decode
+            if query.shape[0] == nd:
+                return decode
+            out = query.new_zeros(query.shape)   # a compiled step's padded rows (slot -1, past the real tokens)
+            out[:nd] = decode
+            return out
         plan = self._step_plan(meta, k_cache.shape[1])
         prefill_only = StepPlan([], plan.prefill_masks, plan.query_starts)
         out = paged_attention_ref(query, k_cache, v_cache, meta, scale, prefill_only, key, value, self._workspace)

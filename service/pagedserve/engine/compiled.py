@@ -18,7 +18,6 @@ import time
 import structlog
 import torch
 
-from .. import ops
 from ..attention.base import AttentionBackend, AttentionMetadata
 from ..attention.opaque import step_context
 
@@ -30,11 +29,11 @@ DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 def compile_supported(backend: AttentionBackend, device: torch.device, tensor_parallel_size: int = 1) -> str | None:
     """Why the forward cannot be compiled with ``backend`` on ``device`` (None when it can): the model's elementwise
-    layers must be the torch ones (dynamo cannot trace the CuPy kernels), and the device the CPU (on CUDA the plan
+    layers must be traceable (torch ops or custom ops with fakes; dynamo cannot trace the CuPy kernels), and the device the CPU (on CUDA the plan
     is CUDA graphs, not built yet)."""
     if tensor_parallel_size > 1:
         return "tensor parallelism runs its shards eagerly (the collectives are not traced)"
-    if backend.elementwise is not ops.TORCH_OPS:
+    if not backend.elementwise.traceable:
         return f"the {backend.name} backend's elementwise kernels are not traceable"
     if torch.device(device).type != "cpu":
         return f"compilation is implemented for CPU only, not {device}"

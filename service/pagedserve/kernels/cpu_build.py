@@ -93,6 +93,13 @@ def _register_fakes() -> None:
     for name in ("linear_f32", "linear_q4", "linear_q8"):
         torch.library.register_fake(f"pagedserve_cpu::{name}")(fake)
     torch.library.register_fake("pagedserve_cpu::paged_decode_attention")(lambda q, *args: torch.empty_like(q))
+    torch.library.register_fake("pagedserve_cpu::rms_norm")(
+        lambda x, weight, eps, residual: (x.new_empty(x.shape),
+                                          x.new_empty(x.shape if residual is not None else (0, x.shape[1]))))
+    torch.library.register_fake("pagedserve_cpu::rotary_embedding")(
+        lambda positions, x, cos_sin, is_neox: x.new_empty(x.shape))
+    torch.library.register_fake("pagedserve_cpu::silu_and_mul")(
+        lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)))
 
 
 def _check_cpu() -> str | None:

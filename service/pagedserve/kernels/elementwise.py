@@ -97,4 +97,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], d)
 
 
-CUDA_OPS = ElementwiseOps("cuda", rms_norm, rotary_embedding, silu_and_mul)
+CUDA_OPS = ElementwiseOps("cuda", rms_norm, rotary_embedding, silu_and_mul, traceable=False)

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -39,6 +40,29 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two parts for an exact reduction), e^r by its
+// degree-6 Taylor polynomial (relative error below 2e-7 on that interval), 2^n built in the exponent bits. Inputs
+// below -87.3 give 0 (subnormals flushed); above 88.7, +inf.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-87.3365f);
+  const __m256 xc = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
 }
 
 // out[m * ldo + n0 + r] = dot(w[r], x[m]) + bias for R rows and T tokens (T <= 4), K a multiple of 8.
@@ -86,26 +110,7 @@ struct Q4Rows {
   const float* scale;
   const float* min;
   int64_t K, group_size;
-  const float* row(int64_t n, float* dst) const {
-    const uint8_t* q = codes + n * (K / 2);
-    const int64_t groups = K / group_size;
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 s = _mm256_set1_ps(scale[n * groups + g]);
-      const __m256 b = _mm256_set1_ps(min[n * groups + g]);
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
-        const __m128i lo = _mm_and_si128(packed, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int p = 0; p < 4; ++p) {
-          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
-          _mm256_storeu_ps(dst + k + 8 * p, _mm256_fmadd_ps(v, s, b));
-        }
-      }
-    }
-    return dst;
-  }
+  const float* row(int64_t n, float* dst) const;
 };
 
 struct Q8Rows {
@@ -131,15 +136,30 @@ struct Q8Rows {
 // xsum[t, g] is the sum of token t's activations over group g (q4: w = q * scale + min; q8 has no min).
 constexpr int64_t kFusedTokens = 4;
 
+// 32 Q4 weights (16 bytes) as 4 x 8 floats in order: bytes 0-7 and 8-15 zero-extended to 32 bits straight from
+// memory (two shuffles instead of four), their low nibbles weights 0-15, high nibbles weights 16-31.
 inline void decode_q4_32(const uint8_t* q, __m256 v[4]) {
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i lo = _mm_and_si128(packed, low4);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
-  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+  v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
+  v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
+  v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+const float* Q4Rows::row(int64_t n, float* dst) const {
+  const uint8_t* q = codes + n * (K / 2);
+  const int64_t groups = K / group_size;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 s = _mm256_set1_ps(scale[n * groups + g]), b = _mm256_set1_ps(min[n * groups + g]);
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
+      __m256 v[4];
+      decode_q4_32(q + k / 2, v);
+      for (int p = 0; p < 4; ++p) _mm256_storeu_ps(dst + k + 8 * p, _mm256_fmadd_ps(v[p], s, b));
+    }
+  }
+  return dst;
 }
 
 inline void decode_q8_32(const int8_t* q, __m256 v[4]) {
@@ -147,37 +167,49 @@ inline void decode_q8_32(const int8_t* q, __m256 v[4]) {
     v[p] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p))));
 }
 
+// dot(a[0:n], b[0:n]) with 8-wide FMAs (the min term: sum_g min[g] * xsum[g]).
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float y = hsum(acc);
+  for (; i < n; ++i) y += a[i] * b[i];
+  return y;
+}
+
 template <bool kQ4, int T>
 void fused_row(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
                const float* x, const float* xsum, float* out, int64_t N, int64_t n, const float* bias) {
   const int64_t groups = K / group_size;
-  __m256 total[T];
-  for (int t = 0; t < T; ++t) total[t] = _mm256_setzero_ps();
-  // P independent accumulators per token, so that few tokens still keep several FMA chains in flight.
-  constexpr int P = T == 1 ? 4 : (T == 2 ? 2 : 1);
+  // Two running totals per token for one or two tokens (alternate groups), so the chain of per-group FMAs is not
+  // the critical path; with more tokens the tokens' chains already interleave (and registers run out).
+  constexpr int P = T <= 2 ? 2 : 1;
+  __m256 total[T][P];
+  for (int t = 0; t < T; ++t)
+    for (int p = 0; p < P; ++p) total[t][p] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 gacc[T][P];
-    for (int t = 0; t < T; ++t)
-      for (int p = 0; p < P; ++p) gacc[t][p] = _mm256_setzero_ps();
+    __m256 a0[T], a1[T];
+    for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
     for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
       __m256 w[4];
       if constexpr (kQ4) decode_q4_32(codes + k / 2, w);
       else decode_q8_32(reinterpret_cast<const int8_t*>(codes) + k, w);
-      for (int t = 0; t < T; ++t)
-        for (int p = 0; p < 4; ++p)
-          gacc[t][p % P] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(x + t * K + k + 8 * p), gacc[t][p % P]);
+      for (int t = 0; t < T; ++t) {
+        const float* xt = x + t * K + k;
+        a0[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), a0[t]);
+        a1[t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), a1[t]);
+        a0[t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), a0[t]);
+        a1[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), a1[t]);
+      }
     }
     const __m256 s = _mm256_set1_ps(scale[g]);
-    for (int t = 0; t < T; ++t) {
-      __m256 sum = gacc[t][0];
-      for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, gacc[t][p]);
-      total[t] = _mm256_fmadd_ps(sum, s, total[t]);
-    }
+    for (int t = 0; t < T; ++t) total[t][g % P] = _mm256_fmadd_ps(_mm256_add_ps(a0[t], a1[t]), s, total[t][g % P]);
   }
   for (int t = 0; t < T; ++t) {
-    float y = hsum(total[t]) + (bias ? bias[n] : 0.0f);
-    if constexpr (kQ4)
-      for (int64_t g = 0; g < groups; ++g) y += min[g] * xsum[t * groups + g];
+    __m256 sum = total[t][0];
+    for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, total[t][p]);
+    float y = hsum(sum) + (bias ? bias[n] : 0.0f);
+    if constexpr (kQ4) y += dot(min, xsum + t * groups, groups);
     out[t * N + n] = y;
   }
 }
@@ -201,9 +233,9 @@ void run_fused(const uint8_t* codes, const float* scale, const float* min, int64
   std::vector<float> xsum(kQ4 ? M * groups : 0);
   for (int64_t t = 0; kQ4 && t < M; ++t)
     for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.0f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += x[t * K + k];
-      xsum[t * groups + g] = s;
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + t * K + k));
+      xsum[t * groups + g] = hsum(s);
     }
   switch (M) {
     case 1: fused_rows<kQ4, 1>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
@@ -334,32 +366,49 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const int64_t row_stride = Hkv * D;                // floats between consecutive tokens of one KV head
   at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / Hkv, kvh = item % Hkv, len = lens[s];
+      const int32_t* table = tables + s * max_blocks;
       scores.resize(G * len);
       const float* qs = qp + (s * H + kvh * G) * D;
-      // Per query head: q and the output row stay in registers (D <= 128: 16 vectors) while the context streams.
+      // Per query head: q and the output row stay in registers (D <= 128: 16 vectors) while the context streams,
+      // one cache block at a time (the block's rows of this KV head are row_stride apart).
       for (int64_t g = 0; g < G; ++g) {
         float* row = scores.data() + g * len;
         const float* qg = qs + g * D;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) {
-          const int64_t block = tables[s * max_blocks + t / block_size];
-          const float* krow = kp + ((block * block_size + t % block_size) * Hkv + kvh) * D;
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-          int64_t d = 0;
-          for (; d + 16 <= D; d += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(krow + d + 8), a1);
+        __m256 mx8 = _mm256_set1_ps(-INFINITY);
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+          const float* krow = kp + (static_cast<int64_t>(table[t0 / block_size]) * block_size * Hkv + kvh) * D;
+          const int64_t n = std::min(block_size, len - t0);
+          for (int64_t i = 0; i < n; ++i, krow += row_stride) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16) {
+              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), a0);
+              a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(krow + d + 8), a1);
+            }
+            if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), a0);
+            row[t0 + i] = hsum(_mm256_add_ps(a0, a1)) * sc;
           }
-          if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), a0);
-          row[t] = hsum(_mm256_add_ps(a0, a1)) * sc;
-          mx = std::max(mx, row[t]);
         }
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) {
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(row + t));
+        float mx = -INFINITY;
+        for (int i = 0; i < 8; ++i) mx = std::max(mx, reinterpret_cast<const float*>(&mx8)[i]);
+        for (; t < len; ++t) mx = std::max(mx, row[t]);
+        // softmax numerators exp(score - max), 8 at a time (exp8), and their sum
+        const __m256 mxv = _mm256_set1_ps(mx);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (t = 0; t + 8 <= len; t += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), mxv));
+          _mm256_storeu_ps(row + t, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum(sum8);
+        for (; t < len; ++t) {
           row[t] = std::exp(row[t] - mx);
           sum += row[t];
         }
@@ -369,15 +418,151 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
           const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
           __m256 acc[8];
           for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-          for (int64_t t = 0; t < len; ++t) {
-            const int64_t block = tables[s * max_blocks + t / block_size];
-            const float* vrow = vp + ((block * block_size + t % block_size) * Hkv + kvh) * D + d0;
-            const __m256 p = _mm256_set1_ps(row[t]);
-            for (int i = 0; i < nv; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * i), acc[i]);
+          for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+            const float* vrow = vp + (static_cast<int64_t>(table[t0 / block_size]) * block_size * Hkv + kvh) * D + d0;
+            const int64_t n = std::min(block_size, len - t0);
+            for (int64_t i = 0; i < n; ++i, vrow += row_stride) {
+              const __m256 p = _mm256_set1_ps(row[t0 + i]);
+              for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
+            }
           }
           const __m256 scale_v = _mm256_set1_ps(inv);
           for (int i = 0; i < nv; ++i) _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], scale_v));
         }
+      }
+    }
+  });
+  return out;
+}
+
+
+// ---- Elementwise layers (float32): the model's RMSNorm (+ residual add), rotary embedding and SwiGLU, each one pass
+// over its rows instead of the reference's chain of small torch ops (pagedserve/ops.py holds the reference
+// semantics these must match). Rows are split over the intra-op threads only when a step has enough of them to pay
+// for waking a thread.
+
+// Threads for `rows` rows of `width` floats each: one unless the step moves at least ~64K floats.
+inline int64_t row_grain(int64_t rows, int64_t width) {
+  return rows * width >= 65536 ? std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)) : rows;
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(1) == 1,
+              what, " must be a float32 CPU tensor [T, width] with unit stride along width");
+}
+
+// (normed, h) with h = x + residual and normed = weight * h / sqrt(mean(h^2) + eps). Without a residual h is x, and
+// the second output is an empty [0] tensor (outputs never alias inputs; the Python wrapper returns x instead).
+// x, residual [T, N] rows may be strided; weight [N] contiguous.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                            const c10::optional<at::Tensor>& residual) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(N % 8 == 0, "hidden size must be a multiple of 8, got ", N);
+  TORCH_CHECK(weight.dim() == 1 && weight.numel() == N && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "weight must be contiguous float32 [", N, "]");
+  if (residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have x's shape");
+  }
+  at::Tensor normed = at::empty({T, N}, x.options());
+  at::Tensor h = at::empty({residual ? T : 0, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* hp = residual ? h.data_ptr<float>() : const_cast<float*>(xp);   // without a residual: read x, write nothing
+  float* np_ = normed.data_ptr<float>();
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0, hs = residual ? N : xs;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, row_grain(T, N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = xp + t * xs;
+      float* hr = hp + t * hs;
+      __m256 ss = _mm256_setzero_ps();
+      for (int64_t k = 0; k < N; k += 8) {
+        __m256 v = _mm256_loadu_ps(xr + k);
+        if (rp) {
+          v = _mm256_add_ps(v, _mm256_loadu_ps(rp + t * rs + k));
+          _mm256_storeu_ps(hr + k, v);
+        }
+        ss = _mm256_fmadd_ps(v, v, ss);
+      }
+      const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hsum(ss) / static_cast<float>(N) + e));
+      float* out = np_ + t * N;
+      for (int64_t k = 0; k < N; k += 8)
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_loadu_ps(wp + k),
+                                                _mm256_mul_ps(_mm256_loadu_ps(hr + k), inv)));
+    }
+  });
+  return {normed, h};
+}
+
+// Rotary embedding (ops.rotary_embedding): x [T, heads, D] with unit stride along D (rows and heads may be
+// strided, e.g. views into a fused QKV output); cos_sin [max_position, D] (cos | sin halves); positions int64 [T].
+// Returns a new contiguous [T, heads, D].
+at::Tensor rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin,
+                            bool is_neox) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(2) == 1,
+              "x must be a float32 CPU tensor [T, heads, head_dim] with unit stride along head_dim");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == D && cos_sin.scalar_type() == at::kFloat &&
+                  cos_sin.is_contiguous(), "cos_sin must be contiguous float32 [max_position, head_dim]");
+  TORCH_CHECK(positions.dim() == 1 && positions.numel() == T && positions.scalar_type() == at::kLong,
+              "positions must be int64 [T]");
+  const at::Tensor pos_c = positions.contiguous();
+  const int64_t* pos = pos_c.data_ptr<int64_t>();
+  const int64_t max_pos = cos_sin.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " out of range [0, ", max_pos, ")");
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cs = cos_sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, T, row_grain(T, H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cs + pos[t] * D;   // cos[0:half], sin[half:D]
+      for (int64_t hd = 0; hd < H; ++hd) {
+        const float* xr = xp + t * s0 + hd * s1;
+        float* o = op + (t * H + hd) * D;
+        if (is_neox) {        // (x1, x2) = halves: (x1 cos - x2 sin, x2 cos + x1 sin)
+          for (int64_t i = 0; i < half; i += 8) {
+            const __m256 x1 = _mm256_loadu_ps(xr + i), x2 = _mm256_loadu_ps(xr + half + i);
+            const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(c + half + i);
+            _mm256_storeu_ps(o + i, _mm256_fmsub_ps(x1, cv, _mm256_mul_ps(x2, sv)));
+            _mm256_storeu_ps(o + half + i, _mm256_fmadd_ps(x2, cv, _mm256_mul_ps(x1, sv)));
+          }
+        } else {              // interleaved pairs (x[2i], x[2i+1]) rotated by frequency i
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = xr[2 * i], b = xr[2 * i + 1], cv = c[i], sv = c[half + i];
+            o[2 * i] = a * cv - b * sv;
+            o[2 * i + 1] = b * cv + a * sv;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// SwiGLU (ops.silu_and_mul): x [T, 2d] (gate | up), rows may be strided; returns silu(gate) * up, [T, d].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), d = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 16 == 0, "x's width must be a multiple of 16, got ", x.size(1));
+  at::Tensor out = at::empty({T, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  at::parallel_for(0, T, row_grain(T, 2 * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * xs;
+      float* o = op + t * d;
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(g + d + i)));
       }
     }
   });
@@ -392,6 +577,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("rotary_embedding(Tensor positions, Tensor x, Tensor cos_sin, bool is_neox) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -399,4 +587,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("linear_q4", &linear_q4);
   m.impl("linear_q8", &linear_q8);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
 }
