@@ -53,12 +53,12 @@ def test_prompt_lookup_min_and_max_bound_the_match():
 
 def test_speculative_config_parses_and_checks():
     cfg = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').speculative()
-    assert cfg == SpeculativeConfig(num_speculative_tokens=3)
+    assert cfg == SpeculativeConfig(num_speculative_tokens=3) and cfg.rejection_backoff_max == 16
     assert SpeculativeConfig.from_json('{"prompt_lookup_min": 6}').prompt_lookup_max == 6
     assert EngineConfig().speculative() is None
     for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"num_speculative_tokens": 99}',
                 '{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', '{"unknown": 1}', '[1]', 'not json',
-                '{"disable_by_batch_size": 0}', '{"num_speculative_tokens": true}'):
+                '{"disable_by_batch_size": 0}', '{"num_speculative_tokens": true}', '{"rejection_backoff_max": -1}'):
         with pytest.raises(ValueError, match="speculative_config"):
             EngineConfig(speculative_config=bad)
 
@@ -197,8 +197,9 @@ def _stop_cases(tiny):
     for rid, sizes in multi.items():
         tokens, pos = out[rid][0][0], 0
         for size in sizes:
-            if size > 2:
-                cases.append((rid, tokens, pos + 1))  # the run's second token: later ones would follow
+            # the run's second token (later ones would follow); not t0/t1 (unk/EOS: special, not in the text)
+            if size > 2 and min(tokens[pos], tokens[pos + 1]) > 1:
+                cases.append((rid, tokens, pos + 1))
                 break
             pos += size
     assert len(cases) >= 3
@@ -264,6 +265,28 @@ def test_large_batches_step_aside(tiny):
         assert engine.num_draft_tokens == 0
     run_to_completion(engine)
     assert engine.num_draft_tokens > 0
+
+
+def test_all_rejected_drafts_back_off_and_outputs_are_unchanged(tiny):
+    """rejection_backoff_max: after an all-rejected verification a request skips 1, 2, 4... steps of drafts (capped),
+    an accepted draft resets it; greedy outputs equal those of speculation without backoff and of plain decoding,
+    with fewer rejected drafts."""
+    from types import SimpleNamespace
+
+    engine = _engine(tiny, SPEC.replace("}", ', "rejection_backoff_max": 5}'))
+    req = SimpleNamespace(spec_backoff=0, spec_skip=0)
+    seen = []
+    for accepted in (0, 0, 0, 0, 0, 2, 0):
+        engine._backoff(req, accepted)
+        seen.append((req.spec_backoff, req.spec_skip))
+    assert seen == [(1, 1), (2, 2), (4, 4), (5, 5), (5, 5), (0, 0), (1, 1)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _, _ = _run(tiny, None, params)
+    always, e0, _ = _run(tiny, SPEC.replace("}", ', "rejection_backoff_max": 0}'), params)
+    backoff, e1, _ = _run(tiny, SPEC, params)
+    assert backoff == always == plain
+    assert e1.num_accepted_tokens > 0
+    assert e1.num_draft_tokens - e1.num_accepted_tokens < e0.num_draft_tokens - e0.num_accepted_tokens
 
 
 # ---- KV property test with draft slots and rollback ---------------------------------------------------------------

@@ -145,6 +145,10 @@ class SpeculativeConfig:
         prompt_lookup_min: shortest suffix n-gram that may propose drafts (>= 1).
         disable_by_batch_size: no drafts in a step that starts with this many running requests or more (a large
             batch is compute-bound: drafts then cost more than they save); None: never step aside.
+        rejection_backoff_max: a request whose drafts were all rejected proposes none for the next 1 step, then 2,
+            4, ... after further all-rejected verifications, up to this many steps; a draft accepted resets it.
+            Drafts that the target model never takes (text unlike its context) then cost few verify positions.
+            0: propose at every step. (Which steps carry drafts never changes the output distribution.)
     """
 
     method: str = "ngram"
@@ -152,6 +156,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int | None = 8
+    rejection_backoff_max: int = 16
 
     def __post_init__(self) -> None:
         f = "speculative_config"
@@ -169,6 +174,9 @@ class SpeculativeConfig:
         d = self.disable_by_batch_size
         _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1), f,
                f"disable_by_batch_size must be an integer >= 1 or null, got {d!r}")
+        b = self.rejection_backoff_max
+        _check(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 1024, f,
+               f"rejection_backoff_max must be an integer in [0, 1024], got {b!r}")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -183,7 +191,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: not valid JSON: {exc}") from None
         _check(isinstance(doc, dict), "speculative_config", f"must be a JSON object, got {text!r}")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
+                 "disable_by_batch_size", "rejection_backoff_max"}
         unknown = sorted(set(doc) - known)
         _check(not unknown, "speculative_config", f"unknown key(s) {unknown}; known: {sorted(known)}")
         if "prompt_lookup_max" not in doc and isinstance(doc.get("prompt_lookup_min"), int):

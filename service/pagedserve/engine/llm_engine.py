@@ -313,6 +313,9 @@ class LLMEngine:
             req.spec_token_ids, req.spec_bitmask = [], None
             if off or req.pooling or req.beam is not None or req.num_tokens - req.num_computed_tokens != 1:
                 continue
+            if req.spec_skip > 0:   # backing off after drafts that were all rejected
+                req.spec_skip -= 1
+                continue
             n = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if n > 0:
                 todo.append(req)
@@ -323,6 +326,13 @@ class LLMEngine:
             if drafts and req.grammar is not None:
                 drafts, req.spec_bitmask = draft_bitmasks(req.grammar, drafts)
             req.spec_token_ids = drafts
+
+    def _backoff(self, req: Request, accepted: int) -> None:
+        """After a verification: an accepted draft resets the request's backoff; all rejected doubles it (1, 2, 4...
+        steps without drafts, at most ``rejection_backoff_max``)."""
+        limit = self.speculative.rejection_backoff_max
+        req.spec_backoff = 0 if accepted or not limit else min(limit, max(1, 2 * req.spec_backoff))
+        req.spec_skip = req.spec_backoff
 
     def _process(self, result: StepResult) -> list[CompletionDelta]:
         deltas = []
@@ -355,6 +365,7 @@ class LLMEngine:
                 if entry.draft_token_ids:
                     self.num_draft_tokens += len(entry.draft_token_ids)
                     self.num_accepted_tokens += out.num_accepted[i]
+                    self._backoff(req, out.num_accepted[i])
                     self.scheduler.rollback_drafts(req)
             except Exception as exc:  # one request's failure must not take the others down
                 log.exception("request_failed", request_id=req.parent_id)

@@ -64,6 +64,8 @@ class Request:
                                             # across preemption, which keeps the tokens); set once compiled
     spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts proposed for the next
                                             # step (not part of token_ids until verified); cleared by the scheduler
+    spec_backoff: int = 0                   # speculative decoding: steps without drafts after an all-rejected
+    spec_skip: int = 0                      # verification (doubling, see SpeculativeConfig), and steps left
     spec_bitmask: "torch.Tensor | None" = None  # structured output with drafts: [1 + drafts, W] int32 CPU, the
                                             # grammar's next-token bitmask at each draft position
     beam: "BeamGroup | None" = None         # beam search: the group of this beam; the scheduler runs, preempts and
