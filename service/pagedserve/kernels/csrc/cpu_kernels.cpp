@@ -335,8 +335,96 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 // Paged decode attention: one query token per sequence against its whole context in the paged KV cache, read in
 // place through the block table (no gather). out[s, h] = softmax(scale * q[s, h] . K[s, :, h / G]) V[s, :, h / G]
-// with G = H / Hkv query heads per KV head (GQA). Work item: (sequence, KV head); its G query heads share each K/V
-// row read. Scores are kept in a per-thread buffer [G, context], softmax in float32 with the row maximum subtracted.
+// with G = H / Hkv query heads per KV head (GQA). Work item: (sequence, query head), so that even one sequence
+// spreads over the threads; the G heads of one KV head are adjacent items, so a thread mostly reads a K/V row
+// from L1/L2 after its first head. Scores go to a per-thread buffer [context]; softmax in float32 with the row
+// maximum subtracted (exp8). Context rows are walked a cache block at a time (no per-token division).
+
+// Sums of 4 vectors as one 4-float vector: [hsum(a0), hsum(a1), hsum(a2), hsum(a3)].
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+struct DecodeArgs {
+  const float *q, *k, *v;
+  const int32_t *tables, *lens;
+  float* out;
+  int64_t H, Hkv, D, block_size, max_blocks;
+  float scale;
+};
+
+// One (sequence s, query head h); DV = D / 8 vectors per row (DV = 0: D read at run time).
+template <int DV>
+void decode_head(const DecodeArgs& a, int64_t s, int64_t h, std::vector<float>& scores) {
+  const int64_t D = DV ? DV * 8 : a.D, nv = D / 8, len = a.lens[s], G = a.H / a.Hkv, kvh = h / G;
+  const int64_t row_stride = a.Hkv * D, bs = a.block_size;
+  const int32_t* table = a.tables + s * a.max_blocks;
+  const float* qh = a.q + (s * a.H + h) * D;
+  scores.resize(len);
+  float* row = scores.data();
+  for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    const float* k0 = a.k + (static_cast<int64_t>(table[t0 / bs]) * bs * a.Hkv + kvh) * D;
+    const int64_t n = std::min(bs, len - t0);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {       // four tokens at a time: one reduction for four scores
+      const float* kr = k0 + i * row_stride;
+      __m256 acc[4];
+      for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < nv; ++d) {
+        const __m256 qv = _mm256_loadu_ps(qh + 8 * d);
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + j * row_stride + 8 * d), acc[j]);
+      }
+      _mm_storeu_ps(row + t0 + i, _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(a.scale)));
+    }
+    for (; i < n; ++i) {
+      const float* kr = k0 + i * row_stride;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < nv; ++d) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), _mm256_loadu_ps(kr + 8 * d), acc);
+      row[t0 + i] = hsum(acc) * a.scale;
+    }
+  }
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(row + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx8);
+  float mx = *std::max_element(lanes, lanes + 8);
+  for (; t < len; ++t) mx = std::max(mx, row[t]);
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= len; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), mxv));
+    _mm256_storeu_ps(row + t, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum(sum8);
+  for (; t < len; ++t) {
+    row[t] = std::exp(row[t] - mx);
+    sum += row[t];
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+  float* o = a.out + (s * a.H + h) * D;
+  for (int64_t d0 = 0; d0 < nv; d0 += 8) {   // the output in chunks of up to 8 vectors held in registers
+    const int64_t m = std::min<int64_t>(8, nv - d0);
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t u0 = 0; u0 < len; u0 += bs) {
+      const float* vr = a.v + (static_cast<int64_t>(table[u0 / bs]) * bs * a.Hkv + kvh) * D + 8 * d0;
+      const int64_t n = std::min(bs, len - u0);
+      for (int64_t i = 0; i < n; ++i, vr += row_stride) {
+        const __m256 p = _mm256_set1_ps(row[u0 + i]);
+        if (DV == 8) {
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+        } else {
+          for (int j = 0; j < m; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+        }
+      }
+    }
+    for (int j = 0; j < m; ++j) _mm256_storeu_ps(o + 8 * (d0 + j), _mm256_mul_ps(acc[j], inv));
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [S, H, D]");
@@ -351,7 +439,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) == S && context_lens.size(0) == S, "one block table row and length per sequence");
-  const int64_t G = H / Hkv;
   const at::Tensor lens_tensor = context_lens.contiguous();   // kept alive: lens points into it
   const int32_t* lens = lens_tensor.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -363,73 +450,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   "block id out of range for sequence ", s);
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t row_stride = Hkv * D;                // floats between consecutive tokens of one KV head
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const DecodeArgs args{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, lens,
+                        out.data_ptr<float>(), H, Hkv, D, block_size, max_blocks, static_cast<float>(scale)};
+  at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / Hkv, kvh = item % Hkv, len = lens[s];
-      const int32_t* table = tables + s * max_blocks;
-      scores.resize(G * len);
-      const float* qs = qp + (s * H + kvh * G) * D;
-      // Per query head: q and the output row stay in registers (D <= 128: 16 vectors) while the context streams,
-      // one cache block at a time (the block's rows of this KV head are row_stride apart).
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * len;
-        const float* qg = qs + g * D;
-        __m256 mx8 = _mm256_set1_ps(-INFINITY);
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-          const float* krow = kp + (static_cast<int64_t>(table[t0 / block_size]) * block_size * Hkv + kvh) * D;
-          const int64_t n = std::min(block_size, len - t0);
-          for (int64_t i = 0; i < n; ++i, krow += row_stride) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t d = 0;
-            for (; d + 16 <= D; d += 16) {
-              a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), a0);
-              a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(krow + d + 8), a1);
-            }
-            if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), a0);
-            row[t0 + i] = hsum(_mm256_add_ps(a0, a1)) * sc;
-          }
-        }
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(row + t));
-        float mx = -INFINITY;
-        for (int i = 0; i < 8; ++i) mx = std::max(mx, reinterpret_cast<const float*>(&mx8)[i]);
-        for (; t < len; ++t) mx = std::max(mx, row[t]);
-        // softmax numerators exp(score - max), 8 at a time (exp8), and their sum
-        const __m256 mxv = _mm256_set1_ps(mx);
-        __m256 sum8 = _mm256_setzero_ps();
-        for (t = 0; t + 8 <= len; t += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), mxv));
-          _mm256_storeu_ps(row + t, e);
-          sum8 = _mm256_add_ps(sum8, e);
-        }
-        float sum = hsum(sum8);
-        for (; t < len; ++t) {
-          row[t] = std::exp(row[t] - mx);
-          sum += row[t];
-        }
-        const float inv = 1.0f / sum;
-        float* o = op + (s * H + kvh * G + g) * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {   // output in chunks of 8 vectors held in registers
-          const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
-          __m256 acc[8];
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-          for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-            const float* vrow = vp + (static_cast<int64_t>(table[t0 / block_size]) * block_size * Hkv + kvh) * D + d0;
-            const int64_t n = std::min(block_size, len - t0);
-            for (int64_t i = 0; i < n; ++i, vrow += row_stride) {
-              const __m256 p = _mm256_set1_ps(row[t0 + i]);
-              for (int j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
-            }
-          }
-          const __m256 scale_v = _mm256_set1_ps(inv);
-          for (int i = 0; i < nv; ++i) _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], scale_v));
-        }
-      }
+      if (D == 64) decode_head<8>(args, item / H, item % H, scores);
+      else if (D == 128) decode_head<16>(args, item / H, item % H, scores);
+      else decode_head<0>(args, item / H, item % H, scores);
     }
   });
   return out;
