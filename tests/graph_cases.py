@@ -19,7 +19,7 @@ class HostReplay:
     reruns ``fn`` and asserts that it launched exactly those kernels with exactly that geometry and shared memory,
     which is what a real graph replays whatever the step's data."""
 
-    def __init__(self, sim, pool=None) -> None:
+    def __init__(self, sim, pool=None, stream=None) -> None:
         self.sim, self.fn, self.launches = sim, None, None
 
     def _run(self):
@@ -70,13 +70,17 @@ def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int, tag: str = 
     return out
 
 
+_runs = iter(range(1 << 30))
+
+
 def decode_tpot_s(engine, prompts: list[list[int]], max_tokens: int) -> float:
     """Mean seconds per engine step once every request is decoding (TPOT at batch ``len(prompts)``): the prompts
     prefill first (untimed), then the remaining steps are timed. Each step ends in the sampler's host copy, so the
     device work is included."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    run = next(_runs)
     for i, ids in enumerate(prompts):
-        engine.add_request(f"tpot{i}", ids, params)
+        engine.add_request(f"tpot{run}-{i}", ids, params)
     started: set[str] = set()
     while len(started) < len(prompts):
         started.update(d.request_id for d in engine.step() if d.token_ids)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import time
 
 import structlog
@@ -35,16 +36,17 @@ log = structlog.get_logger(__name__)
 
 class TorchCudaGraph:
     """One ``torch.cuda.CUDAGraph``: :meth:`capture` records ``fn``'s kernels (without running them) into the
-    graph, using memory from ``pool``; :meth:`replay` reruns them and returns the tensor ``fn`` returned at
-    capture (its contents rewritten by the replay)."""
+    graph on capture stream ``stream``, using memory from ``pool``; :meth:`replay` reruns them on the current
+    stream and returns the tensor ``fn`` returned at capture (its contents rewritten by the replay)."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool, stream) -> None:
         self.graph = torch.cuda.CUDAGraph()
-        self.pool = pool
+        self.pool, self.stream = pool, stream
         self.output: torch.Tensor | None = None
 
     def capture(self, fn) -> None:
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: CUDA calls of other threads (an embedding model loading beside us) do not void the capture
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             self.output = fn()
 
     def replay(self) -> torch.Tensor:
@@ -67,7 +69,7 @@ class CudaGraphForward:
             the decode kernel's fixed grid).
         block_size: tokens per KV block.
         sizes: batch sizes (decode sequences) to capture; duplicates are dropped.
-        graph_factory: ``factory(pool) -> graph`` with ``capture(fn)`` / ``replay() -> Tensor``; default
+        graph_factory: ``factory(pool, stream) -> graph`` with ``capture(fn)`` / ``replay() -> Tensor``; default
             :class:`TorchCudaGraph` (tests pass a host stand-in to run the same plumbing on CPU).
 
     Raises:
@@ -169,26 +171,36 @@ class CudaGraphForward:
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Capture every size, largest first, into one shared memory pool: each size runs once eagerly on padding
-        only (no KV written), then is captured. Returns the seconds it took (also :attr:`compile_s`).
+        only (no KV written), then is captured. Both happen on one side stream (torch's advice for capture), so
+        the CuPy view of that stream (:mod:`pagedserve.kernels.launch`) exists before any capture. Returns the
+        seconds it took (also :attr:`compile_s`).
 
         Raises:
             RuntimeError: from CUDA when a capture fails (the graphs captured so far are dropped).
         """
         started = time.monotonic()
-        on_cuda = self._input_ids.device.type == "cuda"
+        device = self._input_ids.device
+        on_cuda = device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if on_cuda else None
+        stream = torch.cuda.Stream(device) if on_cuda else None
+        if on_cuda:
+            stream.wait_stream(torch.cuda.current_stream(device))
         try:
             for size in sorted(self.sizes, reverse=True):
-                self._pad(0, size)
-                self._forward(size)  # kernels compiled and loaded, cuBLAS initialised: nothing of that in capture
+                with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
+                    self._pad(0, size)
+                    self._forward(size)  # kernels compiled and loaded, cuBLAS initialised: none of that in capture
                 if on_cuda:
-                    torch.cuda.synchronize(self._input_ids.device)
-                graph = self.graph_factory(pool)
+                    torch.cuda.synchronize(device)
+                graph = self.graph_factory(pool, stream)
                 graph.capture(lambda s=size: self._forward(s))
                 self._graphs[size] = graph
         except BaseException:
             self._graphs.clear()
             raise
+        finally:
+            if on_cuda:
+                torch.cuda.current_stream(device).wait_stream(stream)
         self.compile_s = time.monotonic() - started
         self.steps_by_size.clear()
         log.info("cuda_graphs_captured", sizes=self.sizes, capture_s=round(self.compile_s, 2),
