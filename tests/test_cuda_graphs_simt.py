@@ -18,6 +18,8 @@ from pagedserve.engine.builder import capture_cuda_graphs
 from pagedserve.engine.compiled import COMPILE_BY_DEFAULT_ON_CPU, use_compiled
 from pagedserve.engine.cuda_graphs import CudaGraphForward
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve import kernels
+from pagedserve.kernels import ModuleKey
 from pagedserve.kernels import geometry as geo
 from simt import Simulator, unavailable
 
@@ -60,6 +62,20 @@ def test_fixed_plan_is_the_plan_at_capacity():
     assert geo.plan_decode("float16", [100] * 8, 8, 2, 128, 16, num_sms=132).num_partitions == 1
     with pytest.raises(ValueError, match="num_seqs"):
         geo.plan_decode_fixed("float16", 0, 2048, 8, 2, 128, 16, num_sms=132)
+
+
+@pytest.mark.skipif(not kernels.nvrtc_available(), reason="NVRTC or the CUDA headers are not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fixed_grid_kernels_compile_with_nvrtc(arch):
+    """The fixed grid launches instantiations the decode module holds; NVRTC compiles them for the GPU (no
+    register spills), with the smem the plan asks for within the sm_80 opt-in limit (163 KiB)."""
+    plan = geo.plan_decode_fixed("bfloat16", 64, 8192, 9, 3, 64, 16, num_sms=132)
+    key = ModuleKey("decode", "bfloat16", 64, 16, arch)
+    names = (geo.decode_kernel_name("bfloat16", 64, 16, plan.gqa_tile), geo.decode_merge_kernel_name("bfloat16", 64))
+    result = kernels.compile_to_cubin(key)
+    for name in names:
+        assert name in result.lowered_names and result.resources[name].spill_store_bytes == 0
+    assert plan.num_partitions > 1 and plan.smem_bytes <= 163 * 1024 and plan.merge_smem_bytes <= 48 * 1024
 
 
 @needs_sim
