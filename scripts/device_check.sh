@@ -2,7 +2,8 @@
 # The whole GPU check in one command (stage limits add up to under 6 minutes on an H200):
 #   1. installs the wheels carried in .whl/ (scripts/fetch_device_wheels.sh) into /tmp/site, if any (the CUDA 12
 #      runtime wheel is only unpacked, for the host emulator's headers);
-#   2. pytest -m gpu (each CUDA kernel against its torch reference, backend vs backend, greedy end to end);
+#   2. pytest -m gpu (each CUDA kernel against its torch reference, backend vs backend, greedy end to end, CUDA
+#      graph replay vs eager and TPOT with and without graphs);
 #   3. bench/kernels.py (decode kernel: % of copy bandwidth, time vs gather + SDPA);
 #   4. scripts/serve_smoke.py (pagedserve serve on the GPU with the cuda attention backend).
 # Logs and a summary go to $OUT when it is set (else a temp dir); the summary is also printed.
@@ -34,6 +35,7 @@ if [ ${#wheels[@]} -gt 0 ]; then
 fi
 export PYTHONPATH="$ROOT/service:$ROOT/client${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PAGEDSERVE_DEVICE_LOGS="$LOGS"  # GPU tests that measure (tests/gpu/test_cuda_graphs_gpu.py) write figures here
 
 note "== device_check $(date -u +%FT%TZ)"
 "$PY" - <<'EOF' 2>&1 | tee -a "$SUMMARY"
@@ -58,6 +60,7 @@ XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
 run_stage gpu_tests 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" ${XDIST[@]+"${XDIST[@]}"} tests/gpu
 grep -E "passed|failed|error|skipped" "$LOGS/gpu_tests.log" | tail -n 3 | tee -a "$SUMMARY"
 grep -E "^(FAILED|ERROR)" "$LOGS/gpu_tests.log" | head -n 20 | tee -a "$SUMMARY"
+[ -f "$LOGS/cuda_graphs_tpot.txt" ] && tee -a "$SUMMARY" < "$LOGS/cuda_graphs_tpot.txt"
 
 run_stage bench 80 "$PY" bench/kernels.py --json "$LOGS/bench.json"
 grep -vE "^(Traceback|  )" "$LOGS/bench.log" | tail -n 20 | tee -a "$SUMMARY"

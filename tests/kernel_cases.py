@@ -75,6 +75,34 @@ def check_decode_partitions(device, dtype, ctx, heads, kv_heads, head_dim, block
     return auto
 
 
+def check_decode_fixed(device, dtype, head_dim, block_size, ctx, heads, kv_heads, capacity, num_padded,
+                       num_sms=132):
+    """The CUDA-graph decode launch: the fixed grid of plan_decode_fixed (from the batch size and ``capacity``
+    tokens only) over sequences of context ``ctx`` followed by ``num_padded`` padded rows (context 0), with a
+    static block table ``capacity / block_size`` wide whose unused entries (past each context, and every padded
+    row) hold a block id far outside the cache, so a kernel that read one would fault (on the emulator: stop).
+    Real rows equal the reference; padded rows are zeros. Returns the plan."""
+    n, total = len(ctx), len(ctx) + num_padded
+    num_blocks = blocks_needed(ctx, block_size) + 2
+    k_cache, v_cache = make_caches(num_blocks, block_size, kv_heads, head_dim, dtype, device, seed=11)
+    meta = make_meta(ctx, [1] * n, block_size, num_blocks, device, seed=11)
+    width = -(-capacity // block_size)
+    tables = torch.full((total, width), 1 << 30, dtype=torch.int32, device=device)
+    for i, c in enumerate(ctx):
+        used = -(-c // block_size)
+        tables[i, :used] = meta.block_tables[i, :used]
+    context_lens = torch.tensor(list(ctx) + [0] * num_padded, dtype=torch.int32, device=device)
+    query = torch.randn(total, heads, head_dim, device=device).to(dtype)
+    plan = geo.plan_decode_fixed(geo.dtype_name(dtype), total, capacity, heads, kv_heads, head_dim, block_size,
+                                 num_sms=num_sms)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim ** -0.5
+    kernels.paged_decode_attention(out, query, k_cache, v_cache, tables, context_lens, scale, plan=plan)
+    assert_attention_close(out[:n], torch_ref.paged_attention_ref(query[:n], k_cache, v_cache, meta, scale), dtype)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows (context 0) must be zeros"
+    return plan
+
+
 def check_prefill(device, dtype, head_dim, block_size, prefix, new, decode_ctx=(3000, 1), heads_kv=None):
     """Decodes first (``decode_ctx``), then prefill chunks of ``new`` tokens after cached prefixes of ``prefix``
     tokens; the decode rows of ``out`` must stay untouched."""
@@ -154,3 +182,12 @@ def check_silu_and_mul(device, dtype, shape):
     x = (3 * torch.randn(shape, device=device)).to(dtype)
     atol, rtol = ELEM_TOL[dtype]
     torch.testing.assert_close(kernels.silu_and_mul(x), ops.silu_and_mul(x), atol=atol, rtol=rtol)
+
+
+def planted(old: str, new: str):
+    """A source transform (``Simulator(transform=...)``) that plants a bug: ``old`` replaced by ``new`` once."""
+    def transform(source: str) -> str:
+        if old not in source:  # not an AssertionError: the test must not pass because the bug was not planted
+            raise ValueError(f"{old!r} not in the kernel source")
+        return source.replace(old, new, 1)
+    return transform

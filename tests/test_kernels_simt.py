@@ -136,12 +136,7 @@ def test_gpu_grid_prefill(sim):
 
 
 # ---- the checks have teeth: a planted bug fails them ----------------------------------------------------------------
-def planted(old: str, new: str):
-    def transform(source: str) -> str:
-        if old not in source:  # not an AssertionError: the test must not pass because the bug was not planted
-            raise ValueError(f"{old!r} not in the kernel source")
-        return source.replace(old, new, 1)
-    return transform
+planted = kc.planted
 
 
 @pytest.mark.parametrize("old,new", [

@@ -66,10 +66,11 @@ class EngineConfig:
             talking over torch.distributed (gloo on CPU, NCCL on CUDA, one device per rank).
         collective_timeout_s: seconds a tensor-parallel collective may wait for a rank before the engine fails
             (a dead or hung worker then ends open calls with UNAVAILABLE).
-        enforce_eager: True runs the model eagerly (vLLM's ``--enforce-eager``); False compiles the forward with
-            torch.compile (attention opaque, token counts padded to fixed sizes, compiled at warm-up) wherever it
-            is supported (CPU, torch attention backend); None (default) compiles only where it measured faster
-            (see README "Compiled forward").
+        enforce_eager: True runs the model eagerly (vLLM's ``--enforce-eager``); False compiles the forward
+            wherever it is supported: on CPU with torch.compile (attention opaque, token counts padded to fixed
+            sizes, compiled at warm-up), on CUDA as CUDA graphs of decode-only steps (batch sizes padded to fixed
+            sizes, captured at warm-up; the cuda attention backend); None (default) captures CUDA graphs on CUDA
+            and compiles on CPU only where it measured faster (see README "Compiled forward", "CUDA graphs").
     """
 
     model: str | None = None

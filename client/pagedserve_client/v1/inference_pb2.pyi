@@ -931,8 +931,9 @@ class GenerationModelInfo(_message.Message):
     "gguf: embedding Q8_0 (as stored), 120 linear int4-g32 (Q4_1 as stored), lm_head int8 per channel (...)".
     """
     compiled: _builtins.bool
-    """True when the forward runs compiled (torch.compile with attention opaque, padded token counts); false when
-    eager (--enforce-eager, or where compiling is unsupported or not on by default).
+    """True when the forward runs compiled: on CPU torch.compile (attention opaque, padded token counts), on CUDA
+    CUDA graphs of decode-only steps (padded batch sizes); false when eager (--enforce-eager, or where compiling
+    is unsupported or not on by default).
     """
     tensor_parallel_size: _builtins.int
     """Ranks the model is split over (tensor parallelism; 1: one process)."""

@@ -36,6 +36,11 @@ class AttentionMetadata:
         num_decode_seqs: host int; the first ``num_decode_seqs`` sequences have ``query_len == 1`` (the model
             runner orders decodes first), the rest are prefill chunks.
         query_lens_cpu / context_lens_cpu: the same as host lists, for backends that loop on the host.
+        fixed_context_capacity: None for an ordinary step. Set (tokens, >= every context length) by the CUDA
+            graph runner (:mod:`pagedserve.engine.cuda_graphs`) on a decode-only step that is being captured
+            for replay: the host lists and ``max_context_len`` are then placeholders (the capacity), the device
+            tensors are the truth, and a backend must launch with a geometry that depends only on the batch
+            size and this capacity (:attr:`AttentionBackend.supports_cuda_graphs`).
     """
 
     slot_mapping: torch.Tensor
@@ -48,6 +53,7 @@ class AttentionMetadata:
     num_decode_seqs: int
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    fixed_context_capacity: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -62,6 +68,9 @@ class AttentionBackend(abc.ABC):
     """
 
     name: str = "abstract"
+    #: Whether :meth:`forward` can be captured in a CUDA graph for decode-only steps: with
+    #: ``meta.fixed_context_capacity`` set it reads no host-side per-step value and synchronizes nothing.
+    supports_cuda_graphs: bool = False
     #: The model's elementwise layers (RMSNorm, rotary embedding, SiLU-and-mul) that run with this backend.
     elementwise: ops.ElementwiseOps = ops.TORCH_OPS
 

@@ -4,7 +4,9 @@ Same semantics as :class:`pagedserve.attention.torch_ref.TorchAttentionBackend` 
 writes the step's new K/V rows, then the first ``num_decode_seqs`` sequences (one new token each) run the paged
 decode kernel (GQA-tiled, split-K) and the rest run the paged prefill kernel (causal over the cached prefix and
 the new tokens). The decode launch plan depends only on the step's metadata, so it is computed once per step and
-reused by every layer.
+reused by every layer. Under CUDA graph capture (``meta.fixed_context_capacity`` set) the decode plan is the
+fixed grid of :func:`pagedserve.kernels.geometry.plan_decode_fixed`, which depends only on the batch size and the
+capacity, so a replay with other context lengths launches the same geometry.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class CudaAttentionBackend(AttentionBackend):
     """Paged attention on CUDA through :mod:`pagedserve.kernels`. Instances hold only a per-step plan cache."""
 
     name = "cuda"
+    supports_cuda_graphs = True  # fixed-grid decode plan under meta.fixed_context_capacity; no host reads
     elementwise = kernels.CUDA_OPS  # fused RMSNorm + residual, rotary, SiLU-and-mul from cuda/elementwise.cu
 
     def __init__(self) -> None:
@@ -30,9 +33,13 @@ class CudaAttentionBackend(AttentionBackend):
                      head_dim: int, block_size: int, device: torch.device) -> geo.DecodePlan:
         shape = (dtype, num_heads, num_kv_heads, head_dim, block_size, device.index)
         if self._plan is None or meta is not self._plan_meta or shape != self._plan_shape:
-            nd = meta.num_decode_seqs
-            self._plan = geo.plan_decode(geo.dtype_name(dtype, "query"), meta.context_lens_cpu[:nd], num_heads,
-                                         num_kv_heads, head_dim, block_size, kernels.num_sms(device.index))
+            nd, name, sms = meta.num_decode_seqs, geo.dtype_name(dtype, "query"), kernels.num_sms(device.index)
+            if meta.fixed_context_capacity is not None:  # CUDA graph capture: geometry from the capacity only
+                self._plan = geo.plan_decode_fixed(name, nd, meta.fixed_context_capacity, num_heads, num_kv_heads,
+                                                   head_dim, block_size, sms)
+            else:
+                self._plan = geo.plan_decode(name, meta.context_lens_cpu[:nd], num_heads, num_kv_heads, head_dim,
+                                             block_size, sms)
             self._plan_meta, self._plan_shape = meta, shape
         return self._plan
 

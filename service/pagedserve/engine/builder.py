@@ -12,6 +12,7 @@ from ..config import EngineConfig
 from ..models.loader import ModelSource
 from ..models.registry import architecture_of, build_model
 from .compiled import DEFAULT_COMPILE_SIZES, CompiledForward, use_compiled
+from .cuda_graphs import CudaGraphForward
 from .llm_engine import LLMEngine
 from .model_runner import ModelRunner, allocate_kv_caches, kv_block_bytes
 
@@ -40,6 +41,7 @@ class EngineInfo:
     compiled: bool = False               # the forward runs compiled (engine.compiled); False: eager
     compile_s: float | None = None       # seconds compiling took at start-up (None when eager)
     compile_cache: str | None = None     # "warm" (inductor's on-disk cache held every graph) or "cold"; None: eager
+    cuda_graphs: bool = False            # "compiled" on CUDA: decode steps replay CUDA graphs (engine.cuda_graphs)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -178,8 +180,11 @@ def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, de
                                    model.head_dim, dtype, device)
     runner = ModelRunner(model, backend, kv_caches, config.block_size, device, config.seed)
     if use_compiled(config.enforce_eager, backend, device, config.tensor_parallel_size):
-        runner.compiled = CompiledForward(model, backend, kv_caches, compile_sizes or DEFAULT_COMPILE_SIZES)
-        runner.compiled.warm_up()
+        if device.type == "cuda":
+            runner.compiled = capture_cuda_graphs(config, model, backend, kv_caches, max_model_len, compile_sizes)
+        else:
+            runner.compiled = CompiledForward(model, backend, kv_caches, compile_sizes or DEFAULT_COMPILE_SIZES)
+            runner.compiled.warm_up()
     engine = LLMEngine(config, runner, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
                        int(hf_config.vocab_size))
@@ -192,5 +197,24 @@ def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, de
                       tensor_parallel_size=getattr(getattr(model, "tp", None), "size", 1),
                       compiled=runner.compiled is not None,
                       compile_s=runner.compiled.compile_s if runner.compiled is not None else None,
-                      compile_cache=runner.compiled.compile_cache if runner.compiled is not None else None)
+                      compile_cache=runner.compiled.compile_cache if runner.compiled is not None else None,
+                      cuda_graphs=isinstance(runner.compiled, CudaGraphForward))
     return engine, info
+
+
+def capture_cuda_graphs(config: EngineConfig, model, backend, kv_caches, max_model_len: int,
+                        sizes=None) -> CudaGraphForward | None:
+    """CUDA graphs of decode steps for the padded batch sizes up to the first one >= ``max_num_seqs`` (no larger
+    decode batch can be scheduled). A failed capture fails start-up under ``enforce_eager=False``; with the
+    default (None) it is logged and the engine runs eager (returns None)."""
+    sizes = sorted(set(sizes or DEFAULT_COMPILE_SIZES))
+    sizes = [s for s in sizes if s < config.max_num_seqs] + [s for s in sizes if s >= config.max_num_seqs][:1]
+    graphs = CudaGraphForward(model, backend, kv_caches, max_model_len, config.block_size, sizes)
+    try:
+        graphs.warm_up()
+    except Exception as exc:
+        if config.enforce_eager is False:
+            raise
+        log.warning("cuda_graphs_failed", error=str(exc), fallback="eager")
+        return None
+    return graphs

@@ -28,15 +28,22 @@ DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def compile_supported(backend: AttentionBackend, device: torch.device, tensor_parallel_size: int = 1) -> str | None:
-    """Why the forward cannot be compiled with ``backend`` on ``device`` (None when it can): the model's elementwise
-    layers must be traceable (torch ops or custom ops with fakes; dynamo cannot trace the CuPy kernels), and the device the CPU (on CUDA the plan
-    is CUDA graphs, not built yet)."""
+    """Why the forward cannot run compiled with ``backend`` on ``device`` (None when it can). On CUDA "compiled"
+    means CUDA graphs of decode-only steps (:mod:`pagedserve.engine.cuda_graphs`), which need a backend that
+    ``supports_cuda_graphs`` (the cuda one); on CPU it means ``torch.compile`` (this module), which needs traceable
+    elementwise layers (torch ops or custom ops with fakes; dynamo cannot trace the CuPy kernels)."""
     if tensor_parallel_size > 1:
         return "tensor parallelism runs its shards eagerly (the collectives are not traced)"
+    kind = torch.device(device).type
+    if kind == "cuda":
+        if not getattr(backend, "supports_cuda_graphs", False):
+            return (f"CUDA graphs need the cuda attention backend (the {backend.name} backend plans each step on "
+                    "the host); torch.compile is CPU only")
+        return None
     if not backend.elementwise.traceable:
         return f"the {backend.name} backend's elementwise kernels are not traceable"
-    if torch.device(device).type != "cpu":
-        return f"compilation is implemented for CPU only, not {device}"
+    if kind != "cpu":
+        return f"compilation is implemented for CPU (torch.compile) and CUDA (graphs) only, not {device}"
     return None
 
 
@@ -45,17 +52,22 @@ def compile_supported(backend: AttentionBackend, device: torch.device, tensor_pa
 #: step measured 0.67-1.06x of eager on the shared 2-core machine (faster, 1.22-1.35x, only with one thread),
 #: and a cold compile takes minutes per size.
 COMPILE_BY_DEFAULT_ON_CPU = False
+#: Whether decode steps run as CUDA graphs when ``enforce_eager`` is None on CUDA (vLLM's default; the issue asks
+#: for it). Not yet measured here: tests/gpu/test_cuda_graphs_gpu.py prints TPOT with and without graphs.
+CUDA_GRAPHS_BY_DEFAULT = True
 
 
 def use_compiled(enforce_eager: bool | None, backend: AttentionBackend, device, tensor_parallel_size: int = 1) -> bool:
-    """Whether to compile: never with ``enforce_eager=True``; with False wherever supported (RuntimeError when
-    not, saying why); with None where supported and measured faster (:data:`COMPILE_BY_DEFAULT_ON_CPU`)."""
+    """Whether to compile (CPU) or capture CUDA graphs (CUDA): never with ``enforce_eager=True``; with False
+    wherever supported (RuntimeError when not, saying why); with None where supported and on by default
+    (:data:`COMPILE_BY_DEFAULT_ON_CPU`, :data:`CUDA_GRAPHS_BY_DEFAULT`)."""
     if enforce_eager:
         return False
     reason = compile_supported(backend, device, tensor_parallel_size)
     if enforce_eager is False and reason is not None:
         raise RuntimeError(f"enforce_eager=False: cannot compile the forward: {reason}")
-    return reason is None and (enforce_eager is False or COMPILE_BY_DEFAULT_ON_CPU)
+    by_default = CUDA_GRAPHS_BY_DEFAULT if torch.device(device).type == "cuda" else COMPILE_BY_DEFAULT_ON_CPU
+    return reason is None and (enforce_eager is False or by_default)
 
 
 def empty_meta(num_tokens: int, device) -> AttentionMetadata:

@@ -82,7 +82,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler(seed)
-        self.compiled = None  # a CompiledForward (engine.compiled) when the forward runs compiled; None: eager
+        self.compiled = None  # a CompiledForward (engine.compiled, CPU) or CudaGraphForward (engine.cuda_graphs,
+                              # CUDA) when the forward runs compiled; None: eager
 
     def prepare(self, entries: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat ``input_ids [T]``, ``positions [T]`` (int64) and the attention metadata for ``entries``.

@@ -20,7 +20,7 @@ from .build import KernelCompileError, ModuleKey, cuda_include_dirs, nvrtc_avail
 from .cache_ops import copy_blocks, reshape_and_cache
 from .cubin import CubinResult, compile_to_cubin
 from .elementwise import CUDA_OPS, rms_norm, rotary_embedding, silu_and_mul
-from .geometry import DecodePlan, plan_decode
+from .geometry import DecodePlan, plan_decode, plan_decode_fixed
 from .runtime import CudaRuntime, KernelRuntime, current_runtime, device_arch, num_sms, use_runtime
 from .sources import find_source_dir, load_source
 
@@ -28,6 +28,6 @@ __all__ = [
     "CUDA_OPS", "CubinResult", "CudaRuntime", "DecodePlan", "KernelCompileError", "KernelRuntime", "ModuleKey",
     "compile_to_cubin", "copy_blocks", "cuda_include_dirs", "current_runtime", "device_arch", "find_source_dir",
     "load_source", "num_sms", "nvrtc_available", "nvrtc_options", "paged_decode_attention",
-    "paged_prefill_attention", "plan_decode", "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul",
-    "use_runtime",
+    "paged_prefill_attention", "plan_decode", "plan_decode_fixed", "reshape_and_cache", "rms_norm",
+    "rotary_embedding", "silu_and_mul", "use_runtime",
 ]

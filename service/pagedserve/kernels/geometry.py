@@ -161,6 +161,28 @@ def plan_decode(dtype: str, context_lens: list[int], num_heads: int, num_kv_head
                       merge_smem_bytes=4 * parts)
 
 
+def plan_decode_fixed(dtype: str, num_seqs: int, max_context_len: int, num_heads: int, num_kv_heads: int,
+                      head_dim: int, block_size: int, num_sms: int) -> DecodePlan:
+    """Fixed-grid decode geometry for CUDA graphs: it depends only on the batch size and the context capacity
+    ``max_context_len`` (tokens, >= every context length a replay may see, e.g. max_model_len rounded up to whole
+    blocks), never on a step's host-side context lengths, so one captured launch serves every replay.
+
+    The partition size is :func:`decode_partition_size` for ``num_seqs`` contexts all at capacity (the largest
+    grid any step can need); the grid holds ``ceil(max_context_len / partition_size)`` partitions per sequence.
+    At replay the kernel reads ``context_lens`` on the device: partitions that start past a sequence's context
+    exit at once, the merge kernel combines only the partitions that hold tokens, and a sequence of context 0
+    (a padded row) gets zeros. Raises ValueError for ``num_seqs < 1`` or ``max_context_len < 1``.
+    """
+    if num_seqs < 1 or max_context_len < 1:
+        raise ValueError(f"plan_decode_fixed: need num_seqs >= 1 and max_context_len >= 1, got {num_seqs}, "
+                         f"{max_context_len}")
+    tile = decode_gqa_tile(num_heads, num_kv_heads)
+    kv_programs = num_kv_heads * cdiv(num_heads // num_kv_heads, tile)
+    size = decode_partition_size([max_context_len] * num_seqs, kv_programs, num_sms, block_size)
+    return plan_decode(dtype, [max_context_len] * num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_sms,
+                       partition_size=size)
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchGeometry:
     grid: tuple[int, int, int]

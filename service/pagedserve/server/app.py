@@ -117,7 +117,7 @@ class App:
             fields.update(model=info.name, dtype=info.dtype, device=info.device, backend=info.attention_backend,
                           kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
                           tensor_parallel_size=info.tensor_parallel_size, compiled=info.compiled,
-                          compile_cache=info.compile_cache,
+                          compile_cache=info.compile_cache, cuda_graphs=info.cuda_graphs,
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2))
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)
