@@ -177,38 +177,47 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return y;
 }
 
+// sum[t] = scale * dot(w[g], x[t, g]) for group g of one row, added into acc[t] (register arrays: T and the loop
+// bounds are compile-time, so nothing here is indexed at run time).
+template <bool kQ4, int T>
+inline void group_fma(const uint8_t* codes, const float* x, int64_t K, int64_t k0, int64_t k1, float scale,
+                      __m256 acc[T]) {
+  __m256 a0[T], a1[T];
+  for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 32) {
+    __m256 w[4];
+    if constexpr (kQ4) decode_q4_32(codes + k / 2, w);
+    else decode_q8_32(reinterpret_cast<const int8_t*>(codes) + k, w);
+    for (int t = 0; t < T; ++t) {
+      const float* xt = x + t * K + k;
+      a0[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), a0[t]);
+      a1[t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), a1[t]);
+      a0[t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), a0[t]);
+      a1[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), a1[t]);
+    }
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(_mm256_add_ps(a0[t], a1[t]), s, acc[t]);
+}
+
 template <bool kQ4, int T>
 void fused_row(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
                const float* x, const float* xsum, float* out, int64_t N, int64_t n, const float* bias) {
   const int64_t groups = K / group_size;
-  // Two running totals per token for one or two tokens (alternate groups), so the chain of per-group FMAs is not
+  // One or two tokens: two running totals per token (even and odd groups), so the chain of per-group FMAs is not
   // the critical path; with more tokens the tokens' chains already interleave (and registers run out).
-  constexpr int P = T <= 2 ? 2 : 1;
-  __m256 total[T][P];
-  for (int t = 0; t < T; ++t)
-    for (int p = 0; p < P; ++p) total[t][p] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 a0[T], a1[T];
-    for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
-      __m256 w[4];
-      if constexpr (kQ4) decode_q4_32(codes + k / 2, w);
-      else decode_q8_32(reinterpret_cast<const int8_t*>(codes) + k, w);
-      for (int t = 0; t < T; ++t) {
-        const float* xt = x + t * K + k;
-        a0[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), a0[t]);
-        a1[t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), a1[t]);
-        a0[t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), a0[t]);
-        a1[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), a1[t]);
-      }
+  __m256 even[T], odd[T];
+  for (int t = 0; t < T; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+  int64_t g = 0;
+  if constexpr (T <= 2) {
+    for (; g + 2 <= groups; g += 2) {
+      group_fma<kQ4, T>(codes, x, K, g * group_size, (g + 1) * group_size, scale[g], even);
+      group_fma<kQ4, T>(codes, x, K, (g + 1) * group_size, (g + 2) * group_size, scale[g + 1], odd);
     }
-    const __m256 s = _mm256_set1_ps(scale[g]);
-    for (int t = 0; t < T; ++t) total[t][g % P] = _mm256_fmadd_ps(_mm256_add_ps(a0[t], a1[t]), s, total[t][g % P]);
   }
+  for (; g < groups; ++g) group_fma<kQ4, T>(codes, x, K, g * group_size, (g + 1) * group_size, scale[g], even);
   for (int t = 0; t < T; ++t) {
-    __m256 sum = total[t][0];
-    for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, total[t][p]);
-    float y = hsum(sum) + (bias ? bias[n] : 0.0f);
+    float y = hsum(_mm256_add_ps(even[t], odd[t])) + (bias ? bias[n] : 0.0f);
     if constexpr (kQ4) y += dot(min, xsum + t * groups, groups);
     out[t * N + n] = y;
   }
