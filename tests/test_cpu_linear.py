@@ -14,7 +14,7 @@ from pagedserve.models.quant import Int4Weight, Int8BlockWeight, quantize_int4, 
 
 needs_kernels = pytest.mark.skipif(cpu_linear_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
 
-TOKEN_COUNTS = [1, 2, 3, 4, 5, 9, 33, 70]   # fused (<= 4) and blocked paths, a partial 32-token block, > 64
+TOKEN_COUNTS = [1, 2, 3, 4, 5, 9, 33, 70, 200]   # fused (<= 4), register-tile and panel paths (tails of 6), > 96 (two token blocks)
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

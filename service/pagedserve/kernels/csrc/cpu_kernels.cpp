@@ -7,9 +7,11 @@
 //
 // Why: at decode (M = 1..64 tokens) a linear is bound by how fast its weights stream from memory; torch's fp32 GEMM
 // reaches about a third of this machine's read bandwidth there, and its int4/int8 CPU kernels are vectorized only for
-// bfloat16 activations on AVX2. These kernels read each weight row once per block of up to kTokenBlock tokens, decode
-// it (quantized formats) into a per-thread float32 buffer that stays in L1, and multiply it against the tokens with a
-// register tile of kRows rows x up to 4 tokens (12 accumulators: FMA-bound, not load-bound, at M >= 4).
+// bfloat16 activations on AVX2. Three paths, by token count M:
+//   - quantized, M <= 4 (kFusedTokens): each row decoded in registers and multiplied at once (fused_row);
+//   - M <= 4 otherwise (float32): a register tile of kRows rows x up to 4 tokens with horizontal sums (run);
+//   - M >= 5 (kPanelMinTokens): 8 rows at a time decoded and transposed into a panel [K][8] in L1/L2, then a
+//     register tile of 16 rows x 6 tokens with the rows in vector lanes (run_panels).
 //
 // Formats (row-major, one row per output channel n):
 //   f32: W float32 [N, K].
@@ -276,6 +278,128 @@ void run(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, floa
   });
 }
 
+// Many tokens (M > kPanelMinTokens): rows in vector lanes. Each 8 output rows are decoded (or, for float32, read in
+// place) and transposed once into a panel [K][8] in a per-thread buffer; a register tile of 2 panels (16 rows) x
+// up to 6 tokens (12 accumulators) then walks k, broadcasting one activation per token: no horizontal sums, each
+// token's x row read once per 16 rows, and the results are stored 8 contiguous outputs at a time.
+constexpr int64_t kPanelMinTokens = 5;
+constexpr int kPanelTokens = 6;
+constexpr int64_t kPanelTokenBlock = 96;
+
+// In-register transpose of an 8 x 8 float block: r[i][j] -> r[j][i].
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
+// panel[k * 8 + i] = row n0 + i of the weight at k (rows past N are zero). rowbuf: 8 * K floats of scratch.
+template <class Rows>
+void build_panel(const Rows& rows, int64_t n0, int64_t N, int64_t K, float* rowbuf, const float* zeros,
+                 float* panel) {
+  const float* src[8];
+  for (int i = 0; i < 8; ++i) src[i] = n0 + i < N ? rows.row(n0 + i, rowbuf + i * K) : zeros;
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + k);
+    transpose8(r);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(panel + (k + j) * 8, r[j]);
+  }
+}
+
+// out[t, n0 : n0 + 8 * NP] (only columns < N) = x[t] . panels (+ bias) for T tokens.
+template <int NP, int T>
+void panel_tile(const float* panel, int64_t K, const float* x, float* out, int64_t N, int64_t n0,
+                const float* bias) {
+  __m256 acc[NP][T];
+#pragma GCC unroll 4
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) acc[p][t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) w[p] = _mm256_loadu_ps(panel + (p * K + k) * 8);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m256 xb = _mm256_broadcast_ss(x + t * K + k);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) acc[p][t] = _mm256_fmadd_ps(w[p], xb, acc[p][t]);
+    }
+  }
+  // Spill the tile once (constant indices only, so the accumulators above stay in registers), then write the
+  // columns that exist, plus bias.
+  alignas(32) float res[NP][T][8];
+#pragma GCC unroll 4
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) _mm256_store_ps(res[p][t], acc[p][t]);
+  for (int p = 0; p < NP; ++p) {
+    const int64_t c = n0 + 8 * p, valid = std::min<int64_t>(8, N - c);
+    for (int t = 0; t < T; ++t)
+      for (int64_t i = 0; i < valid; ++i) out[t * N + c + i] = res[p][t][i] + (bias ? bias[c + i] : 0.0f);
+  }
+}
+
+template <int NP>
+void panel_tokens(const float* panel, int64_t K, const float* x, int64_t M, float* out, int64_t N, int64_t n0,
+                  const float* bias) {
+  int64_t m = 0;
+  for (; m + kPanelTokens <= M; m += kPanelTokens)
+    panel_tile<NP, kPanelTokens>(panel, K, x + m * K, out + m * N, N, n0, bias);
+  const float* xs = x + m * K;
+  float* os = out + m * N;
+  switch (M - m) {
+    case 5: panel_tile<NP, 5>(panel, K, xs, os, N, n0, bias); break;
+    case 4: panel_tile<NP, 4>(panel, K, xs, os, N, n0, bias); break;
+    case 3: panel_tile<NP, 3>(panel, K, xs, os, N, n0, bias); break;
+    case 2: panel_tile<NP, 2>(panel, K, xs, os, N, n0, bias); break;
+    case 1: panel_tile<NP, 1>(panel, K, xs, os, N, n0, bias); break;
+    default: break;
+  }
+}
+
+template <class Rows>
+void run_panels(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out, const float* bias) {
+  const int64_t units = (N + 15) / 16;   // 16 output rows (two panels) per work unit
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rowbuf(8 * K), zeros(K, 0.0f), panel(16 * K);
+    // Token blocks of kPanelTokenBlock, so that a long prefill chunk's activations stay in L2 while every unit
+    // of this thread passes over them (the panels are decoded again per block).
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelTokenBlock) {
+      const int64_t mt = std::min(kPanelTokenBlock, M - m0);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t n0 = unit * 16;
+        build_panel(rows, n0, N, K, rowbuf.data(), zeros.data(), panel.data());
+        if (N - n0 > 8) {
+          build_panel(rows, n0 + 8, N, K, rowbuf.data(), zeros.data(), panel.data() + 8 * K);
+          panel_tokens<2>(panel.data(), K, x + m0 * K, mt, out + m0 * N, N, n0, bias);
+        } else {
+          panel_tokens<1>(panel.data(), K, x + m0 * K, mt, out + m0 * N, N, n0, bias);
+        }
+      }
+    }
+  });
+}
+
+template <class Rows>
+void run_any(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out, const float* bias) {
+  if (M >= kPanelMinTokens) run_panels(rows, x, M, K, N, out, bias);
+  else run(rows, x, M, K, N, out, bias);
+}
+
 void check_input(const at::Tensor& x, int64_t K, const c10::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous float32 CPU tensor [M, K]");
@@ -292,7 +416,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
   check_input(x, K, bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
-  run(F32Rows{w.data_ptr<float>(), K}, x.data_ptr<float>(), M, K, N, out.data_ptr<float>(),
+  run_any(F32Rows{w.data_ptr<float>(), K}, x.data_ptr<float>(), M, K, N, out.data_ptr<float>(),
       bias ? bias->data_ptr<float>() : nullptr);
   return out;
 }
@@ -318,7 +442,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                     x.data_ptr<float>(), M, out.data_ptr<float>(), N, bias ? bias->data_ptr<float>() : nullptr);
     return out;
   }
-  run(Q4Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size},
+  run_any(Q4Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size},
       x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
   return out;
 }
@@ -337,7 +461,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      bias ? bias->data_ptr<float>() : nullptr);
     return out;
   }
-  run(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
+  run_any(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
       out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
   return out;
 }
