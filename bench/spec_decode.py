@@ -26,7 +26,7 @@ import time
 
 import common
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 PARAGRAPH = ("Paged attention stores the key and value cache in fixed-size blocks, so memory is allocated on "
              "demand and shared between requests with a common prefix. A block table maps each sequence's logical "
              "blocks to physical ones, and the scheduler frees the blocks of finished requests at once. Continuous "
