@@ -89,7 +89,10 @@ def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
     server = ServerProcess("--shutdown-grace-s", str(GRACE_S), "--num-kv-blocks", "300", http_port=http_port)
     try:
         port = server.wait_event("server_listening", 60)["port"]
-        server.wait_event("ready", 600)
+        ready = server.wait_event("ready", 600)
+        from pagedserve.kernels.cpu_build import cpu_linear_ops
+        assert ready["linear_kernels"] == ("pagedserve-cpu" if cpu_linear_ops() is not None else "torch")
+        assert ready["speculative"] is None and ready["quantization"].startswith("gguf")
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")  # no retry policy: every refusal is seen as is
         stub, health = pb_grpc.InferenceServiceStub(channel), health_pb2_grpc.HealthStub(channel)
         sampling = dict(temperature=0.0, ignore_eos=True)
@@ -154,3 +157,15 @@ def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
+
+
+def test_a_model_that_cannot_load_exits_with_one_error_line():
+    """A backend this machine lacks (cuda on a CPU) is found while loading: exit status 1 and one `pagedserve:
+    error:` line naming it, no traceback."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--http-port", "0", "--embedding-model",
+           "none", "--device", "cpu", "--attention-backend", "cuda", "--log-json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 1
+    assert "pagedserve: error: start-up failed: attention_backend 'cuda' needs a CUDA device" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout

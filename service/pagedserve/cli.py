@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(server_config.log_level, server_config.log_json)
-    asyncio.run(serve(server_config, engine_config))
+    try:
+        asyncio.run(serve(server_config, engine_config))
+    except (RuntimeError, ValueError, OSError) as exc:   # a model that cannot load on this machine: one line, exit 1
+        print(f"pagedserve: error: start-up failed: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -42,6 +42,8 @@ class EngineInfo:
     compile_s: float | None = None       # seconds compiling took at start-up (None when eager)
     compile_cache: str | None = None     # "warm" (inductor's on-disk cache held every graph) or "cold"; None: eager
     cuda_graphs: bool = False            # "compiled" on CUDA: decode steps replay CUDA graphs (engine.cuda_graphs)
+    linear_kernels: str = "torch"        # whose kernels run the linears: "pagedserve-cpu" (models.cpu_linear) or "torch"
+    speculative: str | None = None       # the speculative decoding method ("ngram, 4 drafts"); None: off
 
 
 def resolve_device(name: str) -> torch.device:
@@ -198,8 +200,15 @@ def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, de
                       compiled=runner.compiled is not None,
                       compile_s=runner.compiled.compile_s if runner.compiled is not None else None,
                       compile_cache=runner.compiled.compile_cache if runner.compiled is not None else None,
-                      cuda_graphs=isinstance(runner.compiled, CudaGraphForward))
+                      cuda_graphs=isinstance(runner.compiled, CudaGraphForward),
+                      linear_kernels=getattr(model, "linear_kernels", "torch"),
+                      speculative=_speculative_summary(config))
     return engine, info
+
+
+def _speculative_summary(config: EngineConfig) -> str | None:
+    spec = config.speculative()
+    return None if spec is None else f"{spec.method}, {spec.num_speculative_tokens} drafts"
 
 
 def capture_cuda_graphs(config: EngineConfig, model, backend, kv_caches, max_model_len: int,

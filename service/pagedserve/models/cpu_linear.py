@@ -9,7 +9,7 @@ accumulation (``bench/linear_probe.py`` measures each layer against a memory cop
 Layers (x: ``[..., K]`` in the compute dtype; returns ``[..., N]`` in x's dtype):
 
 - :class:`StreamingLinear`: float32 weight ``[N, K]`` as loaded; the own kernel up to :data:`F32_MAX_TOKENS` rows,
-  torch's GEMM above (long prefill chunks, where the two are even).
+  torch's GEMM above (prefill chunks: the same GEMM as HF's, so prefill logits stay close to HF's).
 - :class:`StreamingInt4Linear`: an :class:`~.quant.Int4Weight`, codes packed two per byte in GGUF's order,
   ``w = q * scale + min`` with ``min = zero - 8 * scale`` (float32), every token count.
 - :class:`StreamingInt8Linear`: int8 codes with a float32 scale per group of ``group_size`` along K: GGUF Q8_0
@@ -27,7 +27,7 @@ from torch import nn
 from ..kernels.cpu_build import cpu_linear_ops
 from .quant import Int4Weight, Int8BlockWeight, Int8ChannelWeight
 
-F32_MAX_TOKENS = 128  # rows through the own fp32 kernel at most (measured 1.0-1.5x torch up to 128, parity at 256-512)
+F32_MAX_TOKENS = 32   # rows through the own fp32 kernel at most; above, torch's GEMM (HF's own, so prefill logits match HF closely)
 LINEAR_KERNELS = ("auto", "torch")
 
 

@@ -118,6 +118,8 @@ class App:
                           kv_blocks=info.num_kv_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
                           tensor_parallel_size=info.tensor_parallel_size, compiled=info.compiled,
                           compile_cache=info.compile_cache, cuda_graphs=info.cuda_graphs,
+                          quantization=info.quantization, linear_kernels=info.linear_kernels,
+                          speculative=info.speculative,
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2))
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)

@@ -320,33 +320,44 @@ void build_panel(const Rows& rows, int64_t n0, int64_t N, int64_t K, float* rowb
 }
 
 // out[t, n0 : n0 + 8 * NP] (only columns < N) = x[t] . panels (+ bias) for T tokens.
+// k runs in chunks of kPanelChunk: each chunk's sums start from zero in registers and are then added to the tile's
+// totals in L1, so a K-term dot product is rounded as ~kPanelChunk + K / kPanelChunk additions deep instead of K
+// (the register-tile path's 8 interleaved lanes give K / 8; the model's logits must stay within 1e-4 of HF's).
+constexpr int64_t kPanelChunk = 32;
+
 template <int NP, int T>
 void panel_tile(const float* panel, int64_t K, const float* x, float* out, int64_t N, int64_t n0,
                 const float* bias) {
-  __m256 acc[NP][T];
-#pragma GCC unroll 4
-  for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) acc[p][t] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w[NP];
-#pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) w[p] = _mm256_loadu_ps(panel + (p * K + k) * 8);
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      const __m256 xb = _mm256_broadcast_ss(x + t * K + k);
-#pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p) acc[p][t] = _mm256_fmadd_ps(w[p], xb, acc[p][t]);
-    }
-  }
-  // Spill the tile once (constant indices only, so the accumulators above stay in registers), then write the
-  // columns that exist, plus bias.
   alignas(32) float res[NP][T][8];
 #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) _mm256_store_ps(res[p][t], acc[p][t]);
-  for (int p = 0; p < NP; ++p) {
+    for (int t = 0; t < T; ++t) _mm256_store_ps(res[p][t], _mm256_setzero_ps());
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelChunk) {
+    const int64_t k1 = std::min(K, k0 + kPanelChunk);
+    __m256 acc[NP][T];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) acc[p][t] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      __m256 w[NP];
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) w[p] = _mm256_loadu_ps(panel + (p * K + k) * 8);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        const __m256 xb = _mm256_broadcast_ss(x + t * K + k);
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p) acc[p][t] = _mm256_fmadd_ps(w[p], xb, acc[p][t]);
+      }
+    }
+    // constant indices only, so the accumulators above stay in registers
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) _mm256_store_ps(res[p][t], _mm256_add_ps(_mm256_load_ps(res[p][t]), acc[p][t]));
+  }
+  for (int p = 0; p < NP; ++p) {   // the columns that exist, plus bias
     const int64_t c = n0 + 8 * p, valid = std::min<int64_t>(8, N - c);
     for (int t = 0; t < T; ++t)
       for (int64_t i = 0; i < valid; ++i) out[t * N + c + i] = res[p][t][i] + (bias ? bias[c + i] : 0.0f);
