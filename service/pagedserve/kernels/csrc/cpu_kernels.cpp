@@ -34,8 +34,7 @@
 
 namespace {
 
-constexpr int64_t kRows = 3;          // output rows per register tile
-constexpr int64_t kTokenBlock = 32;   // tokens whose activations stay in cache while a row tile streams by
+constexpr int64_t kRows = 3;          // output rows per register tile of the few-token float32 path (run)
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -256,33 +255,27 @@ void run_fused(const uint8_t* codes, const float* scale, const float* min, int64
   }
 }
 
-template <class Rows>
-void run(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out, const float* bias) {
+// Float32 weights, M < kPanelMinTokens tokens: kRows rows at a time read in place, times every token.
+void run(const F32Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out, const float* bias) {
   const int64_t tiles = (N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(kRows * K);
-    for (int64_t m0 = 0; m0 < M; m0 += kTokenBlock) {
-      const int64_t mt = std::min(kTokenBlock, M - m0);
-      for (int64_t tile_idx = begin; tile_idx < end; ++tile_idx) {
-        const int64_t n0 = tile_idx * kRows;
-        const int64_t r = std::min(kRows, N - n0);
-        const float* w[kRows];
-        for (int64_t i = 0; i < r; ++i) w[i] = rows.row(n0 + i, buf.data() + i * K);
-        const float* xs = x + m0 * K;
-        float* os = out + m0 * N;
-        if (r == 3) rows_times_tokens<3>(w, xs, mt, K, os, N, n0, bias);
-        else if (r == 2) rows_times_tokens<2>(w, xs, mt, K, os, N, n0, bias);
-        else rows_times_tokens<1>(w, xs, mt, K, os, N, n0, bias);
-      }
+    for (int64_t tile_idx = begin; tile_idx < end; ++tile_idx) {
+      const int64_t n0 = tile_idx * kRows;
+      const int64_t r = std::min(kRows, N - n0);
+      const float* w[kRows];
+      for (int64_t i = 0; i < r; ++i) w[i] = rows.row(n0 + i, nullptr);
+      if (r == 3) rows_times_tokens<3>(w, x, M, K, out, N, n0, bias);
+      else if (r == 2) rows_times_tokens<2>(w, x, M, K, out, N, n0, bias);
+      else rows_times_tokens<1>(w, x, M, K, out, N, n0, bias);
     }
   });
 }
 
-// Many tokens (M > kPanelMinTokens): rows in vector lanes. Each 8 output rows are decoded (or, for float32, read in
+// Many tokens (M >= kPanelMinTokens): rows in vector lanes. Each 8 output rows are decoded (or, for float32, read in
 // place) and transposed once into a panel [K][8] in a per-thread buffer; a register tile of 2 panels (16 rows) x
 // up to 6 tokens (12 accumulators) then walks k, broadcasting one activation per token: no horizontal sums, each
 // token's x row read once per 16 rows, and the results are stored 8 contiguous outputs at a time.
-constexpr int64_t kPanelMinTokens = 5;
+constexpr int64_t kPanelMinTokens = kFusedTokens + 1;   // quantized rows past the fused path go here too
 constexpr int kPanelTokens = 6;
 constexpr int64_t kPanelTokenBlock = 96;
 
@@ -405,12 +398,6 @@ void run_panels(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t 
   });
 }
 
-template <class Rows>
-void run_any(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out, const float* bias) {
-  if (M >= kPanelMinTokens) run_panels(rows, x, M, K, N, out, bias);
-  else run(rows, x, M, K, N, out, bias);
-}
-
 void check_input(const at::Tensor& x, int64_t K, const c10::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous float32 CPU tensor [M, K]");
@@ -427,8 +414,10 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
   check_input(x, K, bias, N);
   at::Tensor out = at::empty({M, N}, x.options());
-  run_any(F32Rows{w.data_ptr<float>(), K}, x.data_ptr<float>(), M, K, N, out.data_ptr<float>(),
-      bias ? bias->data_ptr<float>() : nullptr);
+  const F32Rows rows{w.data_ptr<float>(), K};
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (M >= kPanelMinTokens) run_panels(rows, x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), b);
+  else run(rows, x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), b);
   return out;
 }
 
@@ -453,7 +442,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                     x.data_ptr<float>(), M, out.data_ptr<float>(), N, bias ? bias->data_ptr<float>() : nullptr);
     return out;
   }
-  run_any(Q4Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size},
+  run_panels(Q4Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size},
       x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
   return out;
 }
@@ -472,7 +461,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      bias ? bias->data_ptr<float>() : nullptr);
     return out;
   }
-  run_any(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
+  run_panels(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
       out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
   return out;
 }
