@@ -80,7 +80,43 @@ def empty_meta(num_tokens: int, device) -> AttentionMetadata:
         max_context_len=0, num_decode_seqs=0, query_lens_cpu=[], context_lens_cpu=[])
 
 
-class CompiledForward:
+class PaddedForward:
+    """What the compiled forward and the CUDA-graph forward share: a sorted list of padded sizes (token counts,
+    batch sizes) where a step runs at the smallest size that holds it, or eagerly above the largest, and what the
+    runner and the ``ready`` line read back: ``compile_s`` (seconds warm-up took; None before it), ``compile_cache``
+    ("warm"/"cold" for inductor's on-disk cache; None where there is none), ``steps_by_size`` (steps run per
+    padded size since warm-up) and ``num_eager_steps``.
+
+    Args:
+        sizes: sizes, any order; duplicates are dropped.
+        what: how the error message names them ("compile sizes", "CUDA graph sizes").
+        unit: what a size counts ("token count", "batch size").
+
+    Raises:
+        ValueError: ``sizes`` empty or holding a size < 1.
+    """
+
+    def __init__(self, sizes, what: str, unit: str):
+        sizes = sorted(set(int(s) for s in sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"{what} {sizes}: need at least one {unit} >= 1")
+        self.sizes = sizes
+        self.compile_s: float | None = None
+        self.compile_cache: str | None = None
+        self.steps_by_size: collections.Counter = collections.Counter()
+        self.num_eager_steps = 0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, n: int) -> int | None:
+        """The size a step of ``n`` (tokens or sequences) runs at; None when it is larger than every size."""
+        i = bisect.bisect_left(self.sizes, n)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+
+class CompiledForward(PaddedForward):
     """The model's forward compiled by inductor for a fixed list of token counts.
 
     Args:
@@ -95,34 +131,18 @@ class CompiledForward:
     """
 
     def __init__(self, model, backend: AttentionBackend, kv_caches, sizes=DEFAULT_COMPILE_SIZES):
-        sizes = sorted(set(int(s) for s in sizes))
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"compile sizes {sizes}: need at least one token count >= 1")
-        self.model, self.backend, self.kv_caches, self.sizes = model, backend, kv_caches, sizes
-        self.compile_s: float | None = None     # wall time of warm_up (compilation of every size), seconds
-        self.compile_cache: str | None = None   # after warm_up: "warm" when inductor's on-disk cache held every
-                                                # graph, "cold" when some were compiled afresh
-        self.steps_by_size: collections.Counter = collections.Counter()  # steps run per padded size since warm-up
-        self.num_eager_steps = 0                # steps larger than max_size, run eager
+        super().__init__(sizes, "compile sizes", "token count")
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self._no_caches = [None] * model.num_layers
         # One frame compiled for len(sizes) static shapes: allow that many entries without dynamo giving up or
         # turning the token dimension dynamic.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(sizes) + 8)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(self.sizes) + 8)
         torch._dynamo.config.accumulated_cache_size_limit = max(
-            torch._dynamo.config.accumulated_cache_size_limit, 4 * len(sizes) + 64)
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * len(self.sizes) + 64)
         self._compiled = torch.compile(self._graph, dynamic=False, fullgraph=True)
 
     def _graph(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self._no_caches, None, self.backend)
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The compiled size a step of ``num_tokens`` runs at; None when it is larger than every size."""
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the step (``input_ids``/``positions`` ``[T]`` int64, ``meta`` for T

@@ -20,8 +20,6 @@ compiles, module loads and cuBLAS initialisation happen outside the capture.
 """
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
 import time
 
@@ -29,7 +27,7 @@ import structlog
 import torch
 
 from ..attention.base import AttentionBackend, AttentionMetadata
-from .compiled import DEFAULT_COMPILE_SIZES
+from .compiled import DEFAULT_COMPILE_SIZES, PaddedForward
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +52,7 @@ class TorchCudaGraph:
         return self.output
 
 
-class CudaGraphForward:
+class CudaGraphForward(PaddedForward):
     """The model's forward as CUDA graphs for decode-only steps of the padded sizes; eager for other steps.
 
     Called like :class:`pagedserve.engine.compiled.CompiledForward` (the model runner holds either as
@@ -81,21 +79,15 @@ class CudaGraphForward:
                  sizes=DEFAULT_COMPILE_SIZES, graph_factory=None):
         if not backend.supports_cuda_graphs:
             raise ValueError(f"attention backend {backend.name!r} cannot be captured in CUDA graphs")
-        sizes = sorted(set(int(s) for s in sizes))
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"CUDA graph sizes {sizes}: need at least one batch size >= 1")
+        super().__init__(sizes, "CUDA graph sizes", "batch size")
         if max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {max_model_len}")
-        self.model, self.backend, self.kv_caches, self.sizes = model, backend, kv_caches, sizes
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.max_blocks = -(-max_model_len // block_size)   # static block-table width, blocks
         self.capacity = self.max_blocks * block_size         # fixed-grid context capacity, tokens
-        self.graph_factory = graph_factory or TorchCudaGraph
-        self.compile_s: float | None = None      # wall time of warm_up (eager runs + captures), seconds
-        self.compile_cache: str | None = None    # always None: there is no on-disk cache of graphs
-        self.steps_by_size: collections.Counter = collections.Counter()  # replays per size since warm-up
-        self.num_eager_steps = 0                  # steps that ran the eager model
+        self.graph_factory = graph_factory or TorchCudaGraph   # compile_s: eager runs + captures; no compile_cache
         self._graphs: dict[int, object] = {}
-        dev, most = kv_caches[0][0].device, sizes[-1]
+        dev, most = kv_caches[0][0].device, self.max_size
         i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
         self._input_ids = torch.zeros(most, **i64)
         self._positions = torch.zeros(most, **i64)
@@ -104,16 +96,7 @@ class CudaGraphForward:
         self._block_tables = torch.zeros((most, self.max_blocks), **i32)
         self._query_start_loc = torch.arange(most + 1, **i32)   # one token per sequence, for every size
         self._query_lens = torch.ones(most, **i32)
-        self._metas = {s: self._static_meta(s) for s in sizes}
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
-    def padded_size(self, num_seqs: int) -> int | None:
-        """The captured size a decode step of ``num_seqs`` sequences replays; None when larger than every size."""
-        i = bisect.bisect_left(self.sizes, num_seqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        self._metas = {s: self._static_meta(s) for s in self.sizes}
 
     def _static_meta(self, size: int) -> AttentionMetadata:
         """Metadata over the first ``size`` rows of the static buffers; its host values are placeholders."""
