@@ -9,8 +9,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_build import cpu_linear_ops, unavailable_reason
 from pagedserve.models.cpu_linear import (StreamingInt4Linear, StreamingInt8Linear, StreamingLinear,
-                                          cpu_kernels_enabled, pack_panel_groups, pack_q4_panels, pack_q8_panels,
-                                          unpack_q4_panels, use_cpu_kernels)
+                                          cpu_kernels_enabled, use_cpu_kernels)
 from pagedserve.models.quant import Int4Weight, Int8BlockWeight, quantize_int4, quantize_int8_per_channel
 
 needs_kernels = pytest.mark.skipif(cpu_linear_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
@@ -67,41 +66,6 @@ def test_int8_layers_match_dequantized_weight(m):
         assert ((got.double() - ref).abs() <= _bound(x, dense)).all()
 
 
-@pytest.mark.parametrize("n", [8, 13, 97])
-def test_panel_packing_round_trips(n):
-    """The quantized kernels' panel layouts hold every code and scale once, in the documented places."""
-    gen = torch.Generator().manual_seed(n)
-    q4 = torch.randint(0, 16, (n, 64), dtype=torch.uint8, generator=gen)
-    packed = pack_q4_panels(q4)
-    assert packed.shape == ((n + 7) // 8, 64 * 4) and torch.equal(unpack_q4_panels(packed, n), q4)
-    # byte b of the first 16 holds row b % 8 at k = b // 8 (low nibble) and k = 2 + b // 8 (high nibble)
-    for b in range(16):
-        assert packed[0, b] == q4[b % 8, b // 8] | (q4[b % 8, 2 + b // 8] << 4)
-    q8 = torch.randint(-128, 128, (n, 64), dtype=torch.int8, generator=gen)
-    p8 = pack_q8_panels(q8).view(-1, 64, 8)
-    for r in range(n):
-        assert torch.equal(p8[r // 8, :, r % 8], q8[r])
-    assert not p8[-1, :, (n - 1) % 8 + 1:].any()   # padding rows are zero
-    scales = torch.randn(n, 2, generator=gen)
-    g = pack_panel_groups(scales)
-    assert g.shape == ((n + 7) // 8, 2, 8) and torch.equal(g[(n - 1) // 8, 1, (n - 1) % 8], scales[n - 1, 1])
-    assert int((g != 0).sum()) == int((scales != 0).sum())   # padding rows are zero
-
-
-@needs_kernels
-def test_int8_layer_rows_and_unpacked_are_the_weight():
-    gen = torch.Generator().manual_seed(7)
-    codes = torch.randint(-127, 128, (21, 64), dtype=torch.int8, generator=gen)
-    weight = Int8BlockWeight(codes, (torch.rand(21, 2, generator=gen) / 50).half())
-    layer = StreamingInt8Linear(weight)
-    ids = torch.tensor([0, 20, 7, 8, 7])
-    assert torch.equal(layer.rows(ids), weight.dequantize(ids))
-    got_codes, got_scales = layer.unpacked()
-    assert torch.equal(got_codes, codes) and torch.equal(got_scales, weight.scales.float())
-    with pytest.raises(IndexError, match="out of range"):
-        layer.rows(torch.tensor([21]))
-
-
 @needs_kernels
 def test_layers_keep_shapes_and_dtype():
     """Leading dimensions pass through; bfloat16 activations come back bfloat16."""
@@ -132,12 +96,7 @@ def test_bad_arguments_raise():
     with pytest.raises(RuntimeError, match="float32"):
         ops.linear_f32(torch.randn(2, 64).double(), w, None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.linear_q8(torch.randn(2, 64), torch.zeros(1, 512, dtype=torch.int8), torch.ones(1, 1, 8), 8, 48, None)
-    with pytest.raises(RuntimeError, match="out_features=9 needs 2 panels"):
-        ops.linear_q8(torch.randn(2, 64), torch.zeros(1, 512, dtype=torch.int8), torch.ones(1, 2, 8), 9, 32, None)
-    with pytest.raises(RuntimeError, match=r"scale and min must be contiguous float32 \[ceil\(N / 8\)"):
-        ops.linear_q4(torch.randn(2, 64), torch.zeros(1, 256, dtype=torch.uint8), torch.ones(1, 2, 8),
-                      torch.ones(1, 2, 4), 8, 32, None)
+        ops.linear_q8(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 3), 48, None)
     with pytest.raises(ValueError, match="multiple of 32"):
         StreamingInt4Linear(Int4Weight(torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 3), torch.zeros(8, 3),
                                        16, "t"))

@@ -85,11 +85,13 @@ def build(cache_dir: Path = CACHE_DIR) -> Path:
 
 
 def _register_fakes() -> None:
-    torch.library.register_fake("pagedserve_cpu::linear_f32")(lambda x, w, bias: x.new_empty((x.shape[0], w.shape[0])))
-    torch.library.register_fake("pagedserve_cpu::linear_q4")(
-        lambda x, codes, scale, min, out_features, group_size, bias: x.new_empty((x.shape[0], out_features)))
-    torch.library.register_fake("pagedserve_cpu::linear_q8")(
-        lambda x, codes, scale, out_features, group_size, bias: x.new_empty((x.shape[0], out_features)))
+    def fake(x, *args):
+        weight = args[0]
+        n = weight.shape[0]
+        return x.new_empty((x.shape[0], n))
+
+    for name in ("linear_f32", "linear_q4", "linear_q8"):
+        torch.library.register_fake(f"pagedserve_cpu::{name}")(fake)
     torch.library.register_fake("pagedserve_cpu::paged_decode_attention")(lambda q, *args: torch.empty_like(q))
     torch.library.register_fake("pagedserve_cpu::rms_norm")(
         lambda x, weight, eps, residual: (x.new_empty(x.shape),

@@ -70,52 +70,11 @@ class StreamingLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, float32 (own kernel up to {F32_MAX_TOKENS} rows)"
 
 
-PANEL_ROWS = 8   # output rows per panel of the quantized kernels' layout
-
-
-def _panel_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``[N, ...]`` with zero rows appended up to a multiple of :data:`PANEL_ROWS`."""
-    pad = -t.shape[0] % PANEL_ROWS
-    return t if pad == 0 else torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-
-
-def pack_panel_groups(v: torch.Tensor) -> torch.Tensor:
-    """Per-group floats ``[N, G]`` as the kernels' ``[ceil(N / 8), G, 8]`` float32 (row 8p + i at [p, :, i])."""
-    v = _panel_rows(v.to(torch.float32))
-    return v.view(-1, PANEL_ROWS, v.shape[1]).transpose(1, 2).contiguous()
-
-
-def pack_q4_panels(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes uint8 ``[N, K]`` (values 0..15, K a multiple of 4) as ``linear_q4``'s panels uint8
-    ``[ceil(N / 8), K * 4]``: for each 4 k of a panel 16 bytes, byte b holding row b % 8 at k + b // 8 (low nibble)
-    and at k + 2 + b // 8 (high nibble). Bit for bit reversible (:func:`unpack_q4_panels`)."""
-    c = _panel_rows(codes)
-    p, k = c.shape[0] // PANEL_ROWS, c.shape[1]
-    c = c.view(p, PANEL_ROWS, k // 4, 2, 2).permute(0, 2, 3, 4, 1)    # [P, quad, high, sub, row]
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(p, k * 4).contiguous()
-
-
-def unpack_q4_panels(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of :func:`pack_q4_panels`: uint8 ``[n, K]`` codes."""
-    p, k = packed.shape[0], packed.shape[1] // 4
-    b = packed.view(p, k // 4, 1, 2, PANEL_ROWS)
-    c = torch.cat([b & 0x0F, b >> 4], dim=2)                           # [P, quad, high, sub, row]
-    return c.permute(0, 4, 1, 2, 3).reshape(p * PANEL_ROWS, k)[:n]
-
-
-def pack_q8_panels(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes ``[N, K]`` as ``linear_q8``'s panels int8 ``[ceil(N / 8), K * 8]`` (for each k, the 8 rows)."""
-    c = _panel_rows(codes)
-    return c.view(-1, PANEL_ROWS, c.shape[1]).transpose(1, 2).reshape(c.shape[0] // PANEL_ROWS, -1).contiguous()
-
-
 class StreamingInt4Linear(nn.Module):
     """``y = x @ W.T (+ bias)`` for an :class:`Int4Weight` (group size a multiple of 32 dividing K).
 
-    Buffers in the kernel's panel layout (8 output rows per panel, see ``csrc/cpu_kernels.cpp``): ``codes`` uint8
-    ``[ceil(N / 8), K * 4]`` (:func:`pack_q4_panels`), ``scales`` and ``mins`` float32 ``[ceil(N / 8), K // group_size,
-    8]`` with ``w = q * scale + min``, ``min = zero - 8 * scale`` (exact: the same float32 operations as
-    :meth:`Int4Weight.dequantize`'s up to the final rounding of one fused multiply-add).
+    Buffers: ``codes`` uint8 ``[N, K // 2]`` (each 32 weights as 16 bytes: weight j in the low nibble of byte j,
+    weight j + 16 in its high nibble), ``scales`` and ``mins`` float32 ``[N, K // group_size]``.
 
     Raises:
         ValueError: a group size that is not a multiple of 32 dividing K.
@@ -128,14 +87,15 @@ class StreamingInt4Linear(nn.Module):
         if g % 32 or k % g:
             raise ValueError(f"int4 kernel: group size {g} must be a multiple of 32 dividing K={k}")
         self.out_features, self.in_features, self.group_size, self.source = n, k, g, weight.source
-        self.register_buffer("codes", pack_q4_panels(weight.codes))
-        self.register_buffer("scales", pack_panel_groups(weight.scales))
-        self.register_buffer("mins", pack_panel_groups(weight.zeros - 8.0 * weight.scales))
+        halves = weight.codes.view(n, k // 32, 2, 16)
+        self.register_buffer("codes", (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous())
+        self.register_buffer("scales", weight.scales.to(torch.float32).contiguous())
+        self.register_buffer("mins", (weight.zeros - 8.0 * weight.scales).to(torch.float32).contiguous())
         self.bias = _bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.pagedserve_cpu.linear_q4(_rows(x, self.in_features), self.codes, self.scales, self.mins,
-                                               self.out_features, self.group_size, self.bias)
+                                               self.group_size, self.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -146,9 +106,8 @@ class StreamingInt8Linear(nn.Module):
     """``y = x @ W.T (+ bias)`` for int8 codes with a scale per group along K.
 
     Built from an :class:`Int8BlockWeight` (GGUF Q8_0: group 32, float16 scales widened exactly to float32) or an
-    :class:`Int8ChannelWeight` (one group of K per row). Buffers in the kernel's panel layout: ``codes`` int8
-    ``[ceil(N / 8), K * 8]`` (:func:`pack_q8_panels`), ``scales`` float32 ``[ceil(N / 8), K // group_size, 8]``.
-    :meth:`rows` reads weight rows back (a tied embedding looks its tokens up here instead of keeping a copy).
+    :class:`Int8ChannelWeight` (one group of K per row). Buffers: ``codes`` int8 ``[N, K]``, ``scales`` float32
+    ``[N, K // group_size]``.
     """
 
     def __init__(self, weight: Int8BlockWeight | Int8ChannelWeight, bias: torch.Tensor | None = None,
@@ -160,32 +119,13 @@ class StreamingInt8Linear(nn.Module):
             self.group_size, scales = weight.block_size, weight.scales
         else:
             self.group_size, scales = k, weight.scales.reshape(n, 1)
-        self.register_buffer("codes", pack_q8_panels(weight.codes))
-        self.register_buffer("scales", pack_panel_groups(scales))
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.bias = _bias(bias)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 ``[T, K]``: weight rows ``ids`` (int64 ``[T]``), dequantized exactly (``q * scale``).
-
-        Raises:
-            IndexError: an id outside ``[0, out_features)``.
-        """
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
-            raise IndexError(f"row id out of range [0, {self.out_features})")
-        p, i = ids // PANEL_ROWS, ids % PANEL_ROWS
-        q = self.codes.view(self.codes.shape[0], self.in_features, PANEL_ROWS)[p, :, i]        # [T, K]
-        s = self.scales[p, :, i].repeat_interleave(self.group_size, dim=1)                      # [T, K]
-        return q.to(torch.float32) * s
-
-    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight back in row-major form: int8 codes ``[N, K]`` and float32 scales ``[N, K // group_size]``."""
-        p, n, k = self.codes.shape[0], self.out_features, self.in_features
-        codes = self.codes.view(p, k, PANEL_ROWS).transpose(1, 2).reshape(p * PANEL_ROWS, k)[:n]
-        return codes.contiguous(), self.scales.transpose(1, 2).reshape(p * PANEL_ROWS, -1)[:n].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.pagedserve_cpu.linear_q8(_rows(x, self.in_features), self.codes, self.scales,
-                                               self.out_features, self.group_size, self.bias)
+                                               self.group_size, self.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -221,8 +221,7 @@ class Int8Linear(nn.Module):
 class Q8Embedding(nn.Module):
     """Token embedding kept as GGUF Q8_0 blocks; the looked-up rows are dequantized exactly (float32) and cast.
 
-    Tied to an LM head over the same blocks (:meth:`tie_to`), it drops its own codes and reads the head's, so the
-    weight is held once. ids: int64 ``[T]``; returns ``[T, hidden]`` in ``dtype``.
+    ids: int64 ``[T]``; returns ``[T, hidden]`` in ``dtype``.
     """
 
     def __init__(self, weight: Int8BlockWeight, dtype: torch.dtype):
@@ -231,23 +230,11 @@ class Q8Embedding(nn.Module):
         self.block_size, self.dtype = weight.block_size, dtype
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("block_scales", weight.scales.contiguous())
-        self._tied: tuple[nn.Module, ...] = ()
-
-    def tie_to(self, head: nn.Module) -> None:
-        """Look rows up through ``head.rows(ids)`` (float32 ``[T, hidden]``, the same values) from now on and free
-        this module's codes. ``head`` is not registered as a child (it belongs to the model's ``lm_head``)."""
-        del self.codes, self.block_scales
-        self._tied = (head,)
 
     def weight_blocks(self) -> Int8BlockWeight:
-        if self._tied:
-            codes, scales = self._tied[0].unpacked()
-            return Int8BlockWeight(codes, scales, self.block_size)
         return Int8BlockWeight(self.codes, self.block_scales, self.block_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._tied:
-            return self._tied[0].rows(ids).to(self.dtype)
         return self.weight_blocks().dequantize(ids).to(self.dtype)
 
 

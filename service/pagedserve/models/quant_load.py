@@ -138,7 +138,7 @@ def build_linear(pieces: list, bias: torch.Tensor | None, plan: QuantPlan, lm_he
         plan.counts[f"{kind} Q8_0 (as stored)"] += 1
         w = pieces[0] if len(pieces) == 1 else Int8BlockWeight(torch.cat([p.codes for p in pieces]),
                                                                torch.cat([p.scales for p in pieces]))
-        return StreamingInt8Linear(w, bias, source="Q8_0")   # finalize() ties a Q8_0 embedding to its head
+        return StreamingInt8Linear(w, bias, source="Q8_0")   # a tied head shares the embedding's codes
     dense = torch.cat([_dense(p) for p in pieces])
     if plan.scheme == "int4" and not lm_head and dense.shape[1] % plan.group_size == 0 and \
             (layer := _int4_layer(quantize_int4(dense, plan.group_size), bias, plan)) is not None:
@@ -180,7 +180,7 @@ def finalize(model: nn.Module, plan: QuantPlan, tied_lm_head: bool) -> None:
     Raises:
         ValueError: a placeholder missing some of its pieces.
     """
-    embed_weight = embedding = None
+    embed_weight = None
     for name, module in list(model.named_modules()):
         if not isinstance(module, (PendingLinear, PendingEmbedding)):
             continue
@@ -192,7 +192,7 @@ def finalize(model: nn.Module, plan: QuantPlan, tied_lm_head: bool) -> None:
         pieces = [module.pieces[i] for i in sorted(module.pieces)]
         if isinstance(module, PendingEmbedding):
             embed_weight = pieces[0]
-            new = embedding = build_embedding(embed_weight, plan)
+            new = build_embedding(embed_weight, plan)
         else:
             bias = None if module.bias is None else module.bias.data
             new = build_linear(pieces, bias, plan, lm_head=name.endswith("lm_head"))
@@ -204,7 +204,4 @@ def finalize(model: nn.Module, plan: QuantPlan, tied_lm_head: bool) -> None:
             model.lm_head.linear = head
         else:
             model.lm_head = head
-        if isinstance(embedding, Q8Embedding) and isinstance(head, StreamingInt8Linear) and \
-                head.group_size == embedding.block_size:
-            embedding.tie_to(head)   # one copy of the Q8_0 blocks, in the head's panel layout
     log.info("quantization", summary=plan.summary())

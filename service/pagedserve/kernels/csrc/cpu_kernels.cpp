@@ -7,22 +7,18 @@
 //
 // Why: at decode (M = 1..64 tokens) a linear is bound by how fast its weights stream from memory; torch's fp32 GEMM
 // reaches about a third of this machine's read bandwidth there, and its int4/int8 CPU kernels are vectorized only for
-// bfloat16 activations on AVX2. Paths, by token count M:
-//   - quantized, M <= 4 (kFusedTokens): a panel of 8 rows decoded in registers, one row per vector lane, and
-//     multiplied at once (fused_panel);
-//   - float32, M <= 4: a register tile of kRows rows x up to 4 tokens with horizontal sums (run);
-//   - M >= 5 (kPanelMinTokens): 8 rows at a time in a panel [K][8] in L1/L2 (float32: transposed from the rows;
-//     quantized: decoded straight into it), then a register tile of 16 rows x 6 tokens with the rows in vector
-//     lanes (run_panels).
+// bfloat16 activations on AVX2. Three paths, by token count M:
+//   - quantized, M <= 4 (kFusedTokens): each row decoded in registers and multiplied at once (fused_row);
+//   - M <= 4 otherwise (float32): a register tile of kRows rows x up to 4 tokens with horizontal sums (run);
+//   - M >= 5 (kPanelMinTokens): 8 rows at a time decoded and transposed into a panel [K][8] in L1/L2, then a
+//     register tile of 16 rows x 6 tokens with the rows in vector lanes (run_panels).
 //
-// Formats:
-//   f32: W float32 [N, K], row-major.
-//   Quantized weights are stored in panels of 8 output rows, P = ceil(N / 8) panels (rows past N: zero codes and
-//   scales), each panel's codes k-major so that one load holds every row of the panel at a few k:
-//   q4:  codes uint8 [P, K * 4]: for each 4 k (k0 = 4j), 16 bytes; byte b (0..15) holds row b % 8 at k0 + b / 8 in
-//        its low nibble and at k0 + 2 + b / 8 in its high nibble. w = q * scale + min, q in 0..15.
-//   q8:  codes int8 [P, K * 8]: for each k, the 8 rows' codes. w = q * scale.
-//   scale, min: float32 [P, K / group_size, 8], the group g of row 8p + i at [p, g, i]; group_size a multiple of 32.
+// Formats (row-major, one row per output channel n):
+//   f32: W float32 [N, K].
+//   q4:  codes uint8 [N, K / 2]: each run of 32 weights is 16 bytes, byte j holding weight j in its low nibble and
+//        weight j + 16 in its high nibble (GGUF Q4_0/Q4_1's order); w = q * scale[n, g] + min[n, g], q in 0..15,
+//        g = k / group_size; scale, min float32 [N, K / group_size].
+//   q8:  codes int8 [N, K]; w = q * scale[n, g], scale float32 [N, K / group_size].
 // Threads: ATen's intra-op pool (at::parallel_for) over tiles of output rows, so the kernels share torch's threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -110,136 +106,152 @@ struct F32Rows {
   const float* row(int64_t n, float*) const { return w + n * K; }
 };
 
-// Quantized weights are stored as panels of 8 output rows (see the header): for each k, the 8 rows' codes are
-// adjacent, so a panel decodes straight into vector lanes (one output row per lane), with no transpose; scale and
-// min come as [panels, groups, 8], one vector per group.
-
-// Four consecutive k of one panel as 4 x 8 floats (lane i: row i), codes as stored (q4: 0..15, q8: -128..127).
-//   q4: 16 bytes; bytes 0-7 hold k and k + 2 (low, high nibble), bytes 8-15 hold k + 1 and k + 3.
-//   q8: 32 bytes, 8 per k.
-template <bool kQ4>
-inline void decode_quad(const uint8_t* q, __m256 v[4]) {
-  if constexpr (kQ4) {
-    const __m256i low4 = _mm256_set1_epi32(0x0F);
-    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
-    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
-    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
-    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-  } else {
-    for (int j = 0; j < 4; ++j)
-      v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
-  }
-}
-
-// One quantized weight in panels. Panel p covers rows 8p .. 8p + 7 (rows past N: zero codes and scales).
-template <bool kQ4>
-struct QPanels {
-  static constexpr int64_t kQuadBytes = kQ4 ? 16 : 32;   // bytes of 4 k x 8 rows
-  const uint8_t* codes;    // [P, K / 4, kQuadBytes]
-  const float* scale;      // [P, G, 8]
-  const float* min;        // [P, G, 8] (q4 only)
+struct Q4Rows {
+  const uint8_t* codes;
+  const float* scale;
+  const float* min;
   int64_t K, group_size;
-  const uint8_t* panel_codes(int64_t p) const { return codes + p * (K / 4) * kQuadBytes; }
-  // dst[k * 8 + i] = weight (8p + i, k) in float32: q * scale + min (q4), q * scale (q8).
-  void decode(int64_t p, float* dst) const {
+  const float* row(int64_t n, float* dst) const;
+};
+
+struct Q8Rows {
+  const int8_t* codes;
+  const float* scale;
+  int64_t K, group_size;
+  const float* row(int64_t n, float* dst) const {
+    const int8_t* q = codes + n * K;
     const int64_t groups = K / group_size;
-    const uint8_t* q = panel_codes(p);
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256 s = _mm256_loadu_ps(scale + (p * groups + g) * 8);
-      const __m256 b = kQ4 ? _mm256_loadu_ps(min + (p * groups + g) * 8) : _mm256_setzero_ps();
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 4) {
-        __m256 v[4];
-        decode_quad<kQ4>(q + (k / 4) * kQuadBytes, v);
-        for (int j = 0; j < 4; ++j)
-          _mm256_storeu_ps(dst + (k + j) * 8, kQ4 ? _mm256_fmadd_ps(v[j], s, b) : _mm256_mul_ps(v[j], s));
+      const __m256 s = _mm256_set1_ps(scale[n * groups + g]);
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+        _mm256_storeu_ps(dst + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s));
       }
     }
+    return dst;
   }
 };
 
-// Few tokens (T <= kFusedTokens): a panel is decoded in registers and multiplied at once, never stored. For panel
-// rows i: out[t, 8p + i] = sum_g scale[p, g, i] * sum_{k in g} q[i, k] x[t, k] + sum_g min[p, g, i] * xsum[t, g]
-// (+ bias), where xsum[t, g] is the sum of token t's activations over group g (q8 has no min term). A accumulators
-// per token inside a group (A * T >= 4 independent FMA chains), flushed into the totals with the group's scale.
+// Few tokens (T <= kFusedTokens): a quantized row is decoded in registers and multiplied at once, never stored.
+// out[t * N + n] = sum_g scale[n, g] * dot(q[n, g], x[t, g]) + sum_g min[n, g] * xsum[t, g] (+ bias[n]), where
+// xsum[t, g] is the sum of token t's activations over group g (q4: w = q * scale + min; q8 has no min).
 constexpr int64_t kFusedTokens = 4;
 
-template <bool kQ4, int T>
-void fused_panel(const QPanels<kQ4>& w, int64_t p, const float* x, const float* xsum, float* out, int64_t N,
-                 const float* bias) {
-  constexpr int A = T == 1 ? 4 : (T <= 3 ? 2 : 1);
-  const int64_t K = w.K, groups = K / w.group_size;
-  const uint8_t* q = w.panel_codes(p);
-  __m256 tot[T];
-#pragma GCC unroll 4
-  for (int t = 0; t < T; ++t) tot[t] = _mm256_setzero_ps();
+// 32 Q4 weights (16 bytes) as 4 x 8 floats in order: bytes 0-7 and 8-15 zero-extended to 32 bits straight from
+// memory (two shuffles instead of four), their low nibbles weights 0-15, high nibbles weights 16-31.
+inline void decode_q4_32(const uint8_t* q, __m256 v[4]) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+  v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low4));
+  v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
+  v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+const float* Q4Rows::row(int64_t n, float* dst) const {
+  const uint8_t* q = codes + n * (K / 2);
+  const int64_t groups = K / group_size;
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[A][T];
-#pragma GCC unroll 4
-    for (int a = 0; a < A; ++a)
-#pragma GCC unroll 4
-      for (int t = 0; t < T; ++t) acc[a][t] = _mm256_setzero_ps();
-    for (int64_t k = g * w.group_size; k < (g + 1) * w.group_size; k += 4) {
+    const __m256 s = _mm256_set1_ps(scale[n * groups + g]), b = _mm256_set1_ps(min[n * groups + g]);
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
       __m256 v[4];
-      decode_quad<kQ4>(q + (k / 4) * QPanels<kQ4>::kQuadBytes, v);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j)
-#pragma GCC unroll 4
-        for (int t = 0; t < T; ++t)
-          acc[j % A][t] = _mm256_fmadd_ps(v[j], _mm256_broadcast_ss(x + t * K + k + j), acc[j % A][t]);
-    }
-    const __m256 s = _mm256_loadu_ps(w.scale + (p * groups + g) * 8);
-#pragma GCC unroll 4
-    for (int t = 0; t < T; ++t) {
-      __m256 sum = acc[0][t];
-#pragma GCC unroll 4
-      for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[a][t]);
-      tot[t] = _mm256_fmadd_ps(sum, s, tot[t]);
-      if constexpr (kQ4)
-        tot[t] = _mm256_fmadd_ps(_mm256_loadu_ps(w.min + (p * groups + g) * 8),
-                                 _mm256_broadcast_ss(xsum + t * groups + g), tot[t]);
+      decode_q4_32(q + k / 2, v);
+      for (int p = 0; p < 4; ++p) _mm256_storeu_ps(dst + k + 8 * p, _mm256_fmadd_ps(v[p], s, b));
     }
   }
-  const int64_t n0 = p * 8, valid = std::min<int64_t>(8, N - n0);
-  alignas(32) float lanes[8];
-#pragma GCC unroll 4
-  for (int t = 0; t < T; ++t) {
-    if (bias && valid == 8) tot[t] = _mm256_add_ps(tot[t], _mm256_loadu_ps(bias + n0));
-    if (valid == 8) {
-      _mm256_storeu_ps(out + t * N + n0, tot[t]);
-    } else {
-      _mm256_store_ps(lanes, tot[t]);
-      for (int64_t i = 0; i < valid; ++i) out[t * N + n0 + i] = lanes[i] + (bias ? bias[n0 + i] : 0.0f);
+  return dst;
+}
+
+inline void decode_q8_32(const int8_t* q, __m256 v[4]) {
+  for (int p = 0; p < 4; ++p)
+    v[p] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p))));
+}
+
+// dot(a[0:n], b[0:n]) with 8-wide FMAs (the min term: sum_g min[g] * xsum[g]).
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float y = hsum(acc);
+  for (; i < n; ++i) y += a[i] * b[i];
+  return y;
+}
+
+// sum[t] = scale * dot(w[g], x[t, g]) for group g of one row, added into acc[t] (register arrays: T and the loop
+// bounds are compile-time, so nothing here is indexed at run time).
+template <bool kQ4, int T>
+inline void group_fma(const uint8_t* codes, const float* x, int64_t K, int64_t k0, int64_t k1, float scale,
+                      __m256 acc[T]) {
+  __m256 a0[T], a1[T];
+  for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 32) {
+    __m256 w[4];
+    if constexpr (kQ4) decode_q4_32(codes + k / 2, w);
+    else decode_q8_32(reinterpret_cast<const int8_t*>(codes) + k, w);
+    for (int t = 0; t < T; ++t) {
+      const float* xt = x + t * K + k;
+      a0[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), a0[t]);
+      a1[t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), a1[t]);
+      a0[t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), a0[t]);
+      a1[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), a1[t]);
     }
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(_mm256_add_ps(a0[t], a1[t]), s, acc[t]);
+}
+
+template <bool kQ4, int T>
+void fused_row(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
+               const float* x, const float* xsum, float* out, int64_t N, int64_t n, const float* bias) {
+  const int64_t groups = K / group_size;
+  // One or two tokens: two running totals per token (even and odd groups), so the chain of per-group FMAs is not
+  // the critical path; with more tokens the tokens' chains already interleave (and registers run out).
+  __m256 even[T], odd[T];
+  for (int t = 0; t < T; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+  int64_t g = 0;
+  if constexpr (T <= 2) {
+    for (; g + 2 <= groups; g += 2) {
+      group_fma<kQ4, T>(codes, x, K, g * group_size, (g + 1) * group_size, scale[g], even);
+      group_fma<kQ4, T>(codes, x, K, (g + 1) * group_size, (g + 2) * group_size, scale[g + 1], odd);
+    }
+  }
+  for (; g < groups; ++g) group_fma<kQ4, T>(codes, x, K, g * group_size, (g + 1) * group_size, scale[g], even);
+  for (int t = 0; t < T; ++t) {
+    float y = hsum(_mm256_add_ps(even[t], odd[t])) + (bias ? bias[n] : 0.0f);
+    if constexpr (kQ4) y += dot(min, xsum + t * groups, groups);
+    out[t * N + n] = y;
   }
 }
 
 template <bool kQ4, int T>
-void fused_panels(const QPanels<kQ4>& w, const float* x, const float* xsum, float* out, int64_t N,
-                  const float* bias) {
-  at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) fused_panel<kQ4, T>(w, p, x, xsum, out, N, bias);
+void fused_rows(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
+                const float* x, const float* xsum, float* out, int64_t N, const float* bias) {
+  const int64_t groups = K / group_size, row_bytes = kQ4 ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      fused_row<kQ4, T>(codes + n * row_bytes, scale + n * groups, kQ4 ? min + n * groups : nullptr, K, group_size,
+                        x, xsum, out, N, n, bias);
   });
 }
 
 // Dispatch on the token count; x [M, K] with M <= kFusedTokens.
 template <bool kQ4>
-void run_fused(const QPanels<kQ4>& w, const float* x, int64_t M, float* out, int64_t N, const float* bias) {
-  const int64_t K = w.K, groups = K / w.group_size;
+void run_fused(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
+               const float* x, int64_t M, float* out, int64_t N, const float* bias) {
+  const int64_t groups = K / group_size;
   std::vector<float> xsum(kQ4 ? M * groups : 0);
   for (int64_t t = 0; kQ4 && t < M; ++t)
     for (int64_t g = 0; g < groups; ++g) {
       __m256 s = _mm256_setzero_ps();
-      for (int64_t k = g * w.group_size; k < (g + 1) * w.group_size; k += 8)
-        s = _mm256_add_ps(s, _mm256_loadu_ps(x + t * K + k));
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + t * K + k));
       xsum[t * groups + g] = hsum(s);
     }
   switch (M) {
-    case 1: fused_panels<kQ4, 1>(w, x, xsum.data(), out, N, bias); break;
-    case 2: fused_panels<kQ4, 2>(w, x, xsum.data(), out, N, bias); break;
-    case 3: fused_panels<kQ4, 3>(w, x, xsum.data(), out, N, bias); break;
-    default: fused_panels<kQ4, 4>(w, x, xsum.data(), out, N, bias); break;
+    case 1: fused_rows<kQ4, 1>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
+    case 2: fused_rows<kQ4, 2>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
+    case 3: fused_rows<kQ4, 3>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
+    default: fused_rows<kQ4, 4>(codes, scale, min, K, group_size, x, xsum.data(), out, N, bias); break;
   }
 }
 
@@ -286,22 +298,18 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-// panel[k * 8 + i] = row 8p + i of the weight at k (rows past N are zero). float32 rows are read in place and
-// transposed 8 x 8 at a time; quantized panels decode straight into this layout.
-inline void build_panel(const F32Rows& rows, int64_t p, int64_t N, int64_t K, const float* zeros, float* panel) {
+// panel[k * 8 + i] = row n0 + i of the weight at k (rows past N are zero). rowbuf: 8 * K floats of scratch.
+template <class Rows>
+void build_panel(const Rows& rows, int64_t n0, int64_t N, int64_t K, float* rowbuf, const float* zeros,
+                 float* panel) {
   const float* src[8];
-  for (int i = 0; i < 8; ++i) src[i] = 8 * p + i < N ? rows.row(8 * p + i, nullptr) : zeros;
+  for (int i = 0; i < 8; ++i) src[i] = n0 + i < N ? rows.row(n0 + i, rowbuf + i * K) : zeros;
   for (int64_t k = 0; k < K; k += 8) {
     __m256 r[8];
     for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + k);
     transpose8(r);
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(panel + (k + j) * 8, r[j]);
   }
-}
-
-template <bool kQ4>
-inline void build_panel(const QPanels<kQ4>& w, int64_t p, int64_t, int64_t, const float*, float* panel) {
-  w.decode(p, panel);
 }
 
 // out[t, n0 : n0 + 8 * NP] (only columns < N) = x[t] . panels (+ bias) for T tokens.
@@ -369,20 +377,21 @@ void panel_tokens(const float* panel, int64_t K, const float* x, int64_t M, floa
 
 template <class Rows>
 void run_panels(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out, const float* bias) {
-  const int64_t panels = (N + 7) / 8, units = (panels + 1) / 2;   // 16 output rows (two panels) per work unit
+  const int64_t units = (N + 15) / 16;   // 16 output rows (two panels) per work unit
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> zeros(K, 0.0f), panel(16 * K);
+    std::vector<float> rowbuf(8 * K), zeros(K, 0.0f), panel(16 * K);
     // Token blocks of kPanelTokenBlock, so that a long prefill chunk's activations stay in L2 while every unit
     // of this thread passes over them (the panels are decoded again per block).
     for (int64_t m0 = 0; m0 < M; m0 += kPanelTokenBlock) {
       const int64_t mt = std::min(kPanelTokenBlock, M - m0);
       for (int64_t unit = begin; unit < end; ++unit) {
-        build_panel(rows, 2 * unit, N, K, zeros.data(), panel.data());
-        if (2 * unit + 1 < panels) {
-          build_panel(rows, 2 * unit + 1, N, K, zeros.data(), panel.data() + 8 * K);
-          panel_tokens<2>(panel.data(), K, x + m0 * K, mt, out + m0 * N, N, unit * 16, bias);
+        const int64_t n0 = unit * 16;
+        build_panel(rows, n0, N, K, rowbuf.data(), zeros.data(), panel.data());
+        if (N - n0 > 8) {
+          build_panel(rows, n0 + 8, N, K, rowbuf.data(), zeros.data(), panel.data() + 8 * K);
+          panel_tokens<2>(panel.data(), K, x + m0 * K, mt, out + m0 * N, N, n0, bias);
         } else {
-          panel_tokens<1>(panel.data(), K, x + m0 * K, mt, out + m0 * N, N, unit * 16, bias);
+          panel_tokens<1>(panel.data(), K, x + m0 * K, mt, out + m0 * N, N, n0, bias);
         }
       }
     }
@@ -412,48 +421,49 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return out;
 }
 
-// Quantized panels: codes [P, K / 4 * quad_bytes] with P = ceil(N / 8); scale (and min) float32 [P, K / group, 8].
-void check_panels(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& min,
-                  int64_t N, int64_t group_size, int64_t quad_bytes, at::ScalarType code_type) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == code_type && codes.is_contiguous() &&
-                  codes.size(1) % quad_bytes == 0,
-              "codes must be contiguous ", code_type, " panels [ceil(N / 8), K / 4 * ", quad_bytes, "]");
-  const int64_t P = codes.size(0), K = codes.size(1) / quad_bytes * 4;
-  TORCH_CHECK(N >= 1 && P == (N + 7) / 8, "out_features=", N, " needs ", (N + 7) / 8, " panels, codes hold ", P);
+void check_groups(const at::Tensor& t, int64_t N, int64_t K, int64_t group_size, const char* what) {
   TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
-  for (const at::Tensor* t : {&scale, min ? &*min : nullptr}) {
-    if (!t) continue;
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
-                    t->size(1) == K / group_size && t->size(2) == 8,
-                "scale and min must be contiguous float32 [ceil(N / 8), K / group_size, 8]");
-  }
-}
-
-template <bool kQ4>
-at::Tensor linear_panels(const at::Tensor& x, const QPanels<kQ4>& w, int64_t N, const c10::optional<at::Tensor>& bias) {
-  const int64_t M = x.size(0);
-  check_input(x, w.K, bias, N);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  if (M <= kFusedTokens) run_fused<kQ4>(w, x.data_ptr<float>(), M, out.data_ptr<float>(), N, b);
-  else run_panels(w, x.data_ptr<float>(), M, w.K, N, out.data_ptr<float>(), b);
-  return out;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == N &&
+                  t.size(1) == K / group_size,
+              what, " must be contiguous float32 [N, K / group_size]");
 }
 
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
-                     int64_t out_features, int64_t group_size, const c10::optional<at::Tensor>& bias) {
-  check_panels(codes, scale, min, out_features, group_size, QPanels<true>::kQuadBytes, at::kByte);
-  const QPanels<true> w{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(),
-                        codes.size(1) / QPanels<true>::kQuadBytes * 4, group_size};
-  return linear_panels(x, w, out_features, bias);
+                     int64_t group_size, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K / 2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, M = x.size(0);
+  check_input(x, K, bias, N);
+  check_groups(scale, N, K, group_size, "scale");
+  check_groups(min, N, K, group_size, "min");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M <= kFusedTokens) {
+    run_fused<true>(codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size,
+                    x.data_ptr<float>(), M, out.data_ptr<float>(), N, bias ? bias->data_ptr<float>() : nullptr);
+    return out;
+  }
+  run_panels(Q4Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size},
+      x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
+  return out;
 }
 
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t out_features,
-                     int64_t group_size, const c10::optional<at::Tensor>& bias) {
-  check_panels(codes, scale, c10::nullopt, out_features, group_size, QPanels<false>::kQuadBytes, at::kChar);
-  const QPanels<false> w{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scale.data_ptr<float>(),
-                         nullptr, codes.size(1) / QPanels<false>::kQuadBytes * 4, group_size};
-  return linear_panels(x, w, out_features, bias);
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be contiguous int8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), M = x.size(0);
+  check_input(x, K, bias, N);
+  check_groups(scale, N, K, group_size, "scale");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M <= kFusedTokens) {
+    run_fused<false>(reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scale.data_ptr<float>(), nullptr,
+                     K, group_size, x.data_ptr<float>(), M, out.data_ptr<float>(), N,
+                     bias ? bias->data_ptr<float>() : nullptr);
+    return out;
+  }
+  run_panels(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
+      out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
+  return out;
 }
 
 // Paged decode attention: one query token per sequence against its whole context in the paged KV cache, read in
@@ -726,9 +736,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int out_features, int group_size, Tensor? bias) "
-        "-> Tensor");
-  m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int out_features, int group_size, Tensor? bias) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("rotary_embedding(Tensor positions, Tensor x, Tensor cos_sin, bool is_neox) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
