@@ -142,7 +142,7 @@ def _drop_mask(logits: torch.Tensor, settings) -> torch.Tensor:
 @pytest.mark.parametrize("vocab_size", [V, 3000])
 def test_filters_match_transformers_warpers(vocab_size, monkeypatch):
     # few candidates, so that both the top-k candidate path and the full-sort fallback of top-p run
-    monkeypatch.setattr("pagedserve.engine.sampler._TOP_P_CANDIDATES", 64)
+    monkeypatch.setattr("pagedserve.engine.sampler._MIN_CANDIDATES", 16)
     settings = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (20, 0.6, 0.05), (3, 0.3, 0.5),
                 (vocab_size + 50, 0.95, 0.0), (0, 0.999, 0.02), (0, 0.97, 0.0), (200, 0.99, 0.0), (1, 0.5, 0.9)]
     logits = _logits(len(settings), vocab_size, seed=4) / torch.linspace(0.3, 2.0, len(settings)).unsqueeze(1)

@@ -22,10 +22,14 @@ Order of processing (vLLM / HF-like), each step applied only to the rows (and on
 8. ``top_k`` (HF ``TopKLogitsWarper``: tokens below the k-th largest logit are dropped, ties kept), then ``top_p``
    (HF ``TopPLogitsWarper``: drop the least likely tokens whose total mass is <= 1 - top_p, the most likely token
    always kept), then ``min_p`` (HF ``MinPLogitsWarper``: drop tokens with prob < min_p * max prob).
-9. sampling by the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per token, which picks token
-   ``i`` with probability ``probs[i]`` (equivalent to the Gumbel-max trick); ``q = -log(u)``, ``u ~ U[0, 1)``.
-   A seeded row draws its ``u`` from its own CPU generator, ``V`` numbers per step, so its tokens do not depend
-   on the rest of the batch; the other rows share the sampler's generator on the logits' device.
+9. sampling by inverse transform: one uniform ``u ~ U[0, 1)`` (float64) per row, and the token is the first one
+   whose cumulative probability (float64 sums, over the tokens that survive step 8, most likely first when a
+   filter ran, else in vocabulary order) exceeds ``u`` times the total: token ``i`` is picked with probability
+   ``probs[i] / total`` and a token of probability 0 (dropped, or masked to ``-inf``) never is. Filters look only
+   at the most likely candidates (one ``topk``, widened only for rows whose kept set may reach past it), so a
+   step costs a softmax and a partial sort instead of vocabulary-sized noise. A seeded row draws its ``u`` from its
+   own CPU generator, one number per step, so its tokens do not depend on the rest of the batch; the other rows
+   share the sampler's generator.
 """
 from __future__ import annotations
 
@@ -39,8 +43,8 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output.bitmask import apply_bitmask_
 
 _NEG_INF = float("-inf")
-_TINY = torch.finfo(torch.float32).tiny  # floor for the exponential noise, so probs / q never divides by zero
-_TOP_P_CANDIDATES = 1024  # top-p looks at this many most likely tokens first (a full sort only when too few)
+_MIN_CANDIDATES = 64  # filters look at this many most likely tokens first (x8 per round for rows that need more)
+_WIDEN = 8
 
 
 class TokenLogprobs(NamedTuple):
@@ -128,10 +132,12 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         raw = logits.float()
-        processed, constrained = _process(raw, rows)
+        processed, _ = _process(raw, rows)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             token_ids = processed.argmax(dim=-1)
+        elif len(rand) == len(rows):
+            token_ids = self._sample(processed, rows)
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=raw.device)
             greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -139,16 +145,14 @@ class Sampler:
                 greedy_idx = torch.tensor(greedy, device=raw.device)
                 token_ids[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
             rand_idx = torch.tensor(rand, device=raw.device)
-            token_ids[rand_idx] = self._sample(processed[rand_idx], [rows[i] for i in rand],
-                                               strict=bool(constrained))
+            token_ids[rand_idx] = self._sample(processed[rand_idx], [rows[i] for i in rand])
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_row_logprobs(raw, token_ids, rows))
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], strict: bool = False) -> torch.Tensor:
-        """Temperature, top-k / top-p / min-p, exponential race; ``logits`` ``[n, V]`` (a copy, changed here).
-        ``strict``: tokens at ``-inf`` can never win, not even when every finite token's noise is infinite."""
-        probs, drop = _distribution(logits, rows)
-        noise = self._exponential_noise(rows, probs.shape[1], logits.device)
-        return _race(probs, drop, logits.isneginf() if strict else None, noise)
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top-k / top-p / min-p, inverse transform; ``logits`` ``[n, V]`` (not modified).
+        Tokens masked to ``-inf`` (structured output) have probability 0 and are never picked."""
+        dist = _distribution(logits, rows)
+        return dist.pick(self._uniforms(rows, logits.device))
 
     def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]) -> VerifyOutput:
         """Speculative decoding's verification: per request, the drafts the target model accepts plus one token.
@@ -156,12 +160,12 @@ class Sampler:
         Rejection sampling with the draft as a point mass (Leviathan et al. 2023, Chen et al. 2023: with a draft
         distribution ``q = delta_t``, draft ``t`` is accepted with probability ``min(1, p(t) / q(t)) = p(t)``, and a
         rejection resamples from ``norm(max(0, p - q))``, which is ``p`` with ``t`` removed, renormalized), realized
-        by coupling: at each position the token a plain step would pick, ``x = argmax(p / q)`` with fresh
-        exponential noise (or the argmax, greedy), is computed; the draft is accepted iff ``x == t``, which happens
+        by coupling: at each position the token a plain step would pick, ``x ~ p`` by inverse transform with a
+        fresh uniform (or the argmax, greedy), is computed; the draft is accepted iff ``x == t``, which happens
         with probability ``p(t)``, and on a rejection ``x`` is the resample, distributed as ``p`` without ``t``. So
         every emitted token has exactly the target distribution given the tokens before it; greedy output equals a
-        plain step's; and a seeded request draws the same ``V`` uniforms per emitted token from its generator as
-        plain steps do, so its tokens are the same with and without speculation. ``p`` is the distribution a plain
+        plain step's; and a seeded request draws one uniform per emitted token from its generator, as plain steps
+        do, so its tokens are the same with and without speculation. ``p`` is the distribution a plain
         step samples from (structured-output mask, logit_bias, min_tokens, penalties, temperature, top-k/p, min-p),
         computed at each position from the output with the earlier drafts appended.
 
@@ -183,22 +187,19 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or len(rows) != num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} / {len(rows)} rows do not match {num_rows} positions")
         raw = logits.float()
-        device, vocab_size = raw.device, raw.shape[1]
-        processed, constrained = _process(raw, rows)
+        device = raw.device
+        processed, _ = _process(raw, rows)
         choice = processed.argmax(dim=-1)                 # the greedy rows' tokens; others overwritten below
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        probs = drop = neg = None
+        dist = None
         if rand:
             rand_idx = torch.tensor(rand, device=device)
-            logits_rand = processed[rand_idx]
-            probs, drop = _distribution(logits_rand, [rows[i] for i in rand])
-            neg = logits_rand.isneginf() if constrained else None
+            dist = _distribution(processed if len(rand) == len(rows) else processed[rand_idx], [rows[i] for i in rand])
             unseeded = [k for k, i in enumerate(rand) if rows[i].generator is None]
-            if unseeded:  # rows whose noise comes from the shared generator: all drawn at once
+            if unseeded:  # rows whose uniforms come from the shared generator: all drawn at once
                 u_idx = torch.tensor(unseeded, device=device)
-                noise = self._exponential_noise([rows[rand[k]] for k in unseeded], vocab_size, device)
-                choice[rand_idx[u_idx]] = _race(probs[u_idx], None if drop is None else drop[u_idx],
-                                                None if neg is None else neg[u_idx], noise)
+                u = torch.rand(len(unseeded), dtype=torch.float64, device=device, generator=self._generator(device))
+                choice[rand_idx[u_idx]] = dist.pick(u, u_idx)
         chosen = choice.tolist()
         where = {i: k for k, i in enumerate(rand)}
         tokens, emitted_rows, start = [], [], 0
@@ -208,11 +209,8 @@ class Sampler:
                 i = start + j
                 row = rows[i]
                 if row.generator is not None and not row.params.greedy:  # seeded: drawn only when reached
-                    k = where[i]
-                    u = torch.rand(vocab_size, generator=row.generator).to(device)
-                    noise = u.log_().neg_().clamp_min_(_TINY).unsqueeze(0)
-                    chosen[i] = int(_race(probs[k:k + 1], None if drop is None else drop[k:k + 1],
-                                          None if neg is None else neg[k:k + 1], noise)[0])
+                    u = torch.rand(1, dtype=torch.float64, generator=row.generator).to(device)
+                    chosen[i] = int(dist.pick(u, torch.tensor([where[i]], device=device))[0])
                 out.append(chosen[i])
                 emitted_rows.append(i)
                 if j == len(d) or chosen[i] != d[j]:
@@ -227,18 +225,17 @@ class Sampler:
             pos += len(out)
         return VerifyOutput(tokens, logprobs, [len(out) - 1 for out in tokens])
 
-    def _exponential_noise(self, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor:
-        """``[n, V]`` i.i.d. Exp(1): seeded rows from their own generator, the others from the shared one."""
-        uniform = torch.empty(len(rows), vocab_size, device=device)
+    def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+        """``[n]`` float64 i.i.d. U[0, 1): seeded rows from their own generator, the others from the shared one."""
+        uniform = torch.empty(len(rows), dtype=torch.float64, device=device)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if unseeded:
-            draw = torch.rand(len(unseeded), vocab_size, device=device, generator=self._generator(device))
+            draw = torch.rand(len(unseeded), dtype=torch.float64, device=device, generator=self._generator(device))
             uniform[torch.tensor(unseeded, device=device)] = draw
-        for i, row in enumerate(rows):  # unavoidable: one generator per seeded row
+        for i, row in enumerate(rows):  # one generator per seeded row
             if row.generator is not None:
-                uniform[i] = torch.rand(vocab_size, generator=row.generator).to(device)
-        # -log(u) with u ~ U[0, 1) is Exp(1) (5x faster than exponential_ on CPU); u = 0 gives +inf: never chosen.
-        return uniform.log_().neg_().clamp_min_(_TINY)
+                uniform[i] = torch.rand(1, dtype=torch.float64, generator=row.generator)[0]
+        return uniform
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -257,90 +254,144 @@ def _process(raw: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, 
     return processed, constrained
 
 
-def _distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Steps 7-8 for sampled rows: ``logits`` ``[n, V]`` (a copy: divided by the temperature in place) ->
-    ``(probs [n, V], drop [n, V] bool or None)``, the full softmax and what top-k / top-p / min-p drop."""
+class Distribution(NamedTuple):
+    """Sampled rows' distributions after steps 7-8, as cumulative sums (what inverse transform sampling needs).
+
+    cdf: ``[n, c]`` float64, non-decreasing: cumulative probability over each row's candidate tokens (dropped ones
+        count 0). ids: ``[n, c]`` int64 token ids of the candidates, or None when the candidates are the whole
+        vocabulary in order (``c == V``).
+    """
+
+    cdf: torch.Tensor
+    ids: torch.Tensor | None
+
+    def pick(self, u: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[m]`` int64 tokens for uniforms ``u`` ``[m]`` (float64 in [0, 1)) of ``rows`` (``[m]`` indices into
+        the ``n`` rows; None: all, in order): the first candidate whose cumulative probability exceeds ``u`` times
+        the row's total, so never a token of probability 0."""
+        cdf = self.cdf if rows is None else self.cdf[rows]
+        target = (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+        idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+        if self.ids is None:
+            return idx.view(-1)
+        ids = self.ids if rows is None else self.ids[rows]
+        return ids.gather(1, idx).view(-1)
+
+
+def _distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> Distribution:
+    """Steps 7-8 for sampled rows: ``logits`` ``[n, V]`` (not modified) -> their
+    :class:`Distribution`. A row without filters keeps the whole vocabulary in order; a filtered row, the
+    candidates :func:`select_candidates` found, most likely first. Each row's order is its own, whatever the
+    batch, so a seeded row's token does not depend on the other rows."""
     device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device)
-    logits.div_(temperature.unsqueeze(1))
-    top_k = top_p = min_p = None
-    if any(r.params.top_k for r in rows):
-        top_k = torch.tensor([r.params.top_k for r in rows], device=device)
-    if any(r.params.top_p < 1.0 for r in rows):
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
-    if any(r.params.min_p > 0.0 for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    logits = logits / torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
     probs = logits.softmax(dim=-1)
-    return probs, filter_mask(logits, probs, top_k, top_p, min_p)
+    filtered = [i for i, r in enumerate(rows) if r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0.0]
+    if not filtered:
+        return Distribution(probs.double().cumsum_(dim=-1), None)
+    sub = [rows[i] for i in filtered]
+    idx = torch.tensor(filtered, device=device)
+    every = len(filtered) == len(rows)
+    cand_probs, cand_ids, _ = select_candidates(
+        logits if every else logits[idx], probs if every else probs[idx],
+        torch.tensor([r.params.top_k for r in sub], device=device),
+        torch.tensor([r.params.top_p for r in sub], device=device),
+        torch.tensor([r.params.min_p for r in sub], device=device))
+    if every:
+        return Distribution(cand_probs.double().cumsum_(dim=-1), cand_ids)
+    # a mixed batch: the filtered rows' candidates padded (probability 0) to the vocabulary's width
+    vocab = probs.shape[1]
+    ids = torch.arange(vocab, device=device).expand(len(rows), vocab).clone()
+    ids[idx] = 0
+    ids[idx, :cand_ids.shape[1]] = cand_ids
+    probs[idx] = 0.0
+    probs[idx, :cand_probs.shape[1]] = cand_probs
+    return Distribution(probs.double().cumsum_(dim=-1), ids)
 
 
-def _race(probs: torch.Tensor, drop: torch.Tensor | None, neg: torch.Tensor | None,
-          noise: torch.Tensor) -> torch.Tensor:
-    """Step 9: ``argmax(probs / noise)`` over the tokens not in ``drop``; ``neg`` (``[n, V]`` bool, or None): tokens
-    masked to ``-inf`` that must never win, not even when every finite token's noise is infinite. All ``[n, V]``;
-    returns ``[n]`` int64. Racing over the full-vocabulary probs: renormalizing after filtering would not change
-    the argmax."""
-    scores = probs / noise
-    if drop is not None:
-        scores.masked_fill_(drop, -1.0)
-    if neg is not None:  # a masked token's score is 0, which an allowed token scores too when its noise is +inf
-        scores.masked_fill_(neg, -2.0)
-    return scores.argmax(dim=-1)
-
-
-def filter_mask(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor | None,
-                top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor | None:
-    """Which tokens top-k, then top-p, then min-p drop, with HF's warper semantics (see the module docstring).
+def select_candidates(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What top-k, then top-p, then min-p keep, with HF's warper semantics (see the module docstring), found among
+    each row's most likely tokens: ``_MIN_CANDIDATES`` (or ``max(top_k) + 1``) of them first, and ``_WIDEN`` times
+    more, in further rounds, only for rows whose kept set could reach past the candidates (up to a full sort).
 
     Args:
         logits: ``[n, V]`` fp32, already divided by the temperature.
         probs: ``[n, V]`` ``softmax(logits)``.
-        top_k: ``[n]`` int, 0 for off, or None when no row uses it.
-        top_p: ``[n]`` float in (0, 1], 1 for off, or None.
-        min_p: ``[n]`` float in [0, 1], 0 for off, or None.
+        top_k: ``[n]`` int, 0 for off. top_p: ``[n]`` float in (0, 1], 1 for off. min_p: ``[n]`` float in [0, 1],
+            0 for off.
 
     Returns:
-        ``[n, V]`` bool, True where a token is dropped (never a row's most likely token), or None if none is.
+        ``(cand_probs, cand_ids, keep)``, all ``[n, c]``: candidates most likely first (rows with fewer candidates
+        padded with token 0, probability 0, not kept), ``cand_probs`` the full-softmax probability of each kept
+        candidate and 0 for dropped ones, ``keep`` which are kept (a row's most likely token always is).
     """
-    drop = None  # top-p / min-p read the full-softmax probs: their criteria are ratios, unchanged by renormalizing
-    if top_k is not None:
-        k = top_k.clamp(0, logits.shape[1])
-        kth = logits.topk(max(int(k.max()), 1), dim=-1).values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))
-        drop = (logits < kth) & (k > 0).unsqueeze(1)
-    if top_p is not None:
-        drop = _top_p_drop(probs, drop, top_p) if drop is None else drop | _top_p_drop(probs, drop, top_p)
-    if min_p is not None:
-        below = probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-        drop = below if drop is None else drop | below
-    return drop
+    n, vocab = logits.shape
+    width = min(vocab, max(_MIN_CANDIDATES, int(top_k.max()) + 1))
+    todo = torch.arange(n, device=logits.device)
+    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    total = probs.sum(dim=-1)
+    while todo.numel():
+        first = todo.numel() == n   # every row: no copies of the [n, V] tensors
+        vals, ids = (logits if first else logits[todo]).topk(width, dim=-1)
+        cand = (probs if first else probs[todo]).gather(1, ids)
+        keep, covered = _filter_candidates(vals, cand, top_k[todo], top_p[todo], min_p[todo], total[todo],
+                                           complete=width == vocab)
+        done.append((todo[covered], cand[covered] * keep[covered], ids[covered], keep[covered]))
+        todo, width = todo[~covered], min(vocab, width * _WIDEN)
+    width = max(p.shape[1] for _, p, _, _ in done)
+    out_probs = torch.zeros(n, width, dtype=probs.dtype, device=probs.device)
+    out_ids = torch.zeros(n, width, dtype=torch.long, device=probs.device)
+    out_keep = torch.zeros(n, width, dtype=torch.bool, device=probs.device)
+    for rows, p, i, k in done:
+        out_probs[rows, :p.shape[1]], out_ids[rows, :i.shape[1]], out_keep[rows, :k.shape[1]] = p, i, k
+    return out_probs, out_ids, out_keep
 
 
-def _top_p_drop(probs: torch.Tensor, drop_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
-    """HF top-p on the top-k-renormalized distribution: keep a token iff the mass of the tokens more likely than it
-    is below ``top_p`` of the total. Looks at the ``_TOP_P_CANDIDATES`` most likely tokens (one topk, no full-vocab
-    sort); only rows whose nucleus is wider than that are sorted in full."""
-    kept = probs if drop_k is None else probs.masked_fill(drop_k, 0.0)
-    threshold = kept.sum(dim=-1, keepdim=True) * top_p.unsqueeze(1)
-    num_candidates = min(kept.shape[1], _TOP_P_CANDIDATES)
-    cand_probs, cand_ids = kept.topk(num_candidates, dim=-1)
-    drop = _nucleus_drop(cand_probs, cand_ids, threshold, kept.shape[1])
-    wide = ((cand_probs.sum(dim=-1) < threshold.view(-1)) & (top_p < 1.0)).nonzero().view(-1)
-    if num_candidates < kept.shape[1] and wide.numel():
-        sorted_probs, order = kept[wide].sort(dim=-1, descending=True)
-        drop[wide] = _nucleus_drop(sorted_probs, order, threshold[wide], kept.shape[1])
-    drop[top_p >= 1.0] = False
-    return drop
-
-
-def _nucleus_drop(sorted_probs: torch.Tensor, ids: torch.Tensor, threshold: torch.Tensor,
-                  vocab_size: int) -> torch.Tensor:
-    """``[n, V]`` drop mask from ``[n, c]`` probs sorted descending, their token ids, and ``[n, 1]`` thresholds;
-    tokens outside ``ids`` are dropped."""
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = mass_before < threshold
+def _filter_candidates(vals: torch.Tensor, cand: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor, total: torch.Tensor, complete: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filters on ``[n, c]`` candidates sorted by logit (``vals``) with probabilities ``cand``; ``total``
+    ``[n]``: each row's full probability mass. Returns ``(keep [n, c] bool, covered [n] bool)``: covered rows keep
+    nothing outside the candidates (always, when ``complete``: they are the whole vocabulary)."""
+    n, c = vals.shape
+    k = top_k.clamp(0, c)     # not complete: c > max(top_k) by construction
+    use_k, use_p, use_m = k > 0, top_p < 1.0, min_p > 0.0
+    kth = vals.gather(1, (k - 1).clamp(0, c - 1).unsqueeze(1))
+    keep = ~((vals < kth) & use_k.unsqueeze(1))                    # top-k: ties with the k-th kept
+    kept = cand * keep
+    if complete:
+        covered = torch.ones(n, dtype=torch.bool, device=vals.device)
+    else:
+        # top-k bounds a row's set when the candidate after the k-th is strictly lower (no tie reaches past c);
+        # without top-k, top-p does when the candidates hold the nucleus' mass (the first token past them would
+        # have all of it before it), and min-p when the last candidate is already below the floor.
+        after = vals.gather(1, k.clamp(max=c - 1).unsqueeze(1)).squeeze(1)
+        by_k = use_k & ((after < kth.squeeze(1)) | kth.squeeze(1).isneginf())
+        by_p = use_p & (kept.sum(dim=-1) >= total * top_p)
+        by_m = use_m & (cand[:, -1] < cand[:, 0] * min_p)
+        covered = torch.where(use_k, by_k, by_p | by_m)
+    if bool(use_p.any()):     # top-p reads the top-k-renormalized mass
+        threshold = (torch.where(use_k, kept.sum(dim=-1), total) * top_p).unsqueeze(1)
+        mass_before = kept.cumsum(dim=-1) - kept
+        keep &= (mass_before < threshold) | ~use_p.unsqueeze(1)
+    if bool(use_m.any()):     # min-p: a ratio to the most likely token's probability
+        keep &= (cand >= (cand[:, 0] * min_p).unsqueeze(1)) | ~use_m.unsqueeze(1)
     keep[:, 0] = True
-    drop = torch.ones(sorted_probs.shape[0], vocab_size, dtype=torch.bool, device=sorted_probs.device)
-    return drop.scatter_(1, ids, ~keep)
+    return keep, covered
+
+
+def filter_mask(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor | None:
+    """``[n, V]`` bool, True where top-k, then top-p, then min-p drop a token (:func:`select_candidates` as a
+    vocabulary mask), or None when no filter is given. Arguments as there; None for a filter no row uses."""
+    if top_k is None and top_p is None and min_p is None:
+        return None
+    n = logits.shape[0]
+    _, cand_ids, keep = select_candidates(
+        logits, probs, torch.zeros(n, dtype=torch.long) if top_k is None else top_k,
+        torch.ones(n) if top_p is None else top_p, torch.zeros(n) if min_p is None else min_p)
+    kept = torch.zeros(probs.shape, dtype=torch.int32, device=probs.device).scatter_add_(1, cand_ids, keep.int())
+    return kept == 0   # padding entries (token 0, not kept) add nothing
 
 
 def apply_grammars(raw: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> torch.Tensor:
