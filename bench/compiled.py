@@ -4,7 +4,8 @@
     .venv/bin/python bench/compiled.py --profile                # plus the top ops of one decode step per mode
     TORCHINDUCTOR_CACHE_DIR=/tmp/fresh .venv/bin/python bench/compiled.py   # a cold start (empty inductor cache)
 
-The embedded model (CPU, torch attention, ``--quantization``, fp32 activations) in-process. One child process per
+The embedded model (CPU, ``--attention-backend`` (default auto: the C++ cpu backend), ``--quantization``, fp32
+activations) in-process. One child process per
 thread count (inductor bakes the OpenMP thread count into its kernels, and torch reads OMP_NUM_THREADS at start):
 it builds an eager engine (``enforce_eager=True``) and a compiled one (``enforce_eager=False``, compiled for the
 ``--running`` sizes only) over the same loaded weights, adds N requests of ``--prompt-tokens`` random tokens to
@@ -31,6 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per mode and N")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="none")
+    p.add_argument("--attention-backend", choices=["auto", "cpu", "torch"], default="auto")
     p.add_argument("--profile", action="store_true", help="print the top ops of one decode step per mode and N")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -90,7 +92,7 @@ def child(args) -> dict:
     source = ModelSource.resolve(None)
     cfg, tokenizer = source.load_config(), source.load_tokenizer()
     model = build_model(source, cfg, torch.float32, "cpu", args.quantization)
-    base = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=max(args.running),
+    base = dict(device="cpu", dtype="float32", attention_backend=args.attention_backend, max_num_seqs=max(args.running),
                 max_model_len=args.prompt_tokens + args.steps + 16, quantization=args.quantization,
                 num_kv_blocks=max(args.running) * ((args.prompt_tokens + args.steps + 16) // 16 + 2))
     eager, _ = build_engine(EngineConfig(**base, enforce_eager=True), model=model, tokenizer=tokenizer,
@@ -113,12 +115,14 @@ def main(argv=None) -> int:
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
     print(f"decode steps, {args.prompt_tokens}-token prompts, quantization {args.quantization}, "
+          f"attention backend {args.attention_backend}, "
           f"{args.steps} steps each; inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')}")
     print("threads  running  eager ms/step  compiled ms/step  speed-up  (compile s)")
     for threads in args.threads:
         cmd = [sys.executable, os.path.join(here, "compiled.py"), "--child", "--threads", str(threads),
                "--running", *map(str, args.running), "--prompt-tokens", str(args.prompt_tokens),
-               "--steps", str(args.steps), "--quantization", args.quantization]
+               "--steps", str(args.steps), "--quantization", args.quantization,
+               "--attention-backend", args.attention_backend]
         cmd += ["--profile"] if args.profile else []
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
