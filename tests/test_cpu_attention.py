@@ -51,3 +51,22 @@ def test_kernel_rejects_bad_block_ids_and_lengths():
         op(q, cache, cache, torch.tensor([[5]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="context length out of range"):
         op(q, cache, cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([9], dtype=torch.int32), 1.0)
+
+
+def test_kv_write_kernel_matches_reference_and_skips_padding():
+    """The C++ reshape_and_cache writes what the torch reference writes: strided value rows (views of a fused QKV
+    output), padding rows (slot -1) skipped, every other slot untouched; a slot past the cache raises."""
+    from pagedserve.attention.torch_ref import reshape_and_cache
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 2 * 3 * 16 + 64, generator=gen)
+    key = qkv[:, 64:112].reshape(5, 3, 16)            # strided rows, like the model's views
+    value = qkv[:, 112:].view(5, 3, 16)
+    slots = torch.tensor([7, -1, 0, 31, 12])
+    caches = [torch.randn(4, 8, 3, 16, generator=gen) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    torch.ops.pagedserve_cpu.reshape_and_cache(key, value, *caches, slots)
+    reshape_and_cache(key, value, *ref, slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    with pytest.raises(RuntimeError, match="slot 32 out of range"):
+        torch.ops.pagedserve_cpu.reshape_and_cache(key, value, *caches, torch.tensor([0, 1, 2, 3, 32]))

@@ -26,7 +26,8 @@ def cpu_decode_kernel_available() -> bool:
 class CpuAttentionBackend(TorchAttentionBackend):
     """:class:`TorchAttentionBackend` with decode rows on the C++ kernel (float32, head_dim a multiple of 8).
 
-    Same contract: writes the step's K/V rows (``reshape_and_cache``), then returns ``[T, num_heads, head_dim]``.
+    Same contract: writes the step's K/V rows (``reshape_and_cache``; on the C++ path the kernel of that name, which
+    skips slot -1 rows likewise), then returns ``[T, num_heads, head_dim]``.
     """
 
     name = "cpu"
@@ -37,7 +38,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if nd == 0 or query.dtype != torch.float32 or k_cache.dtype != torch.float32 or query.shape[-1] % 8 or \
                 query.device.type != "cpu":
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)
-        self._write_kv(query, key, value, k_cache, v_cache, meta)
+        if query.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
+            raise ValueError(f"bad shapes: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                             f"value {tuple(value.shape)}")
+        torch.ops.pagedserve_cpu.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         decode = torch.ops.pagedserve_cpu.paged_decode_attention(
             query[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd].contiguous(), meta.context_lens[:nd],
             float(scale))

@@ -100,6 +100,7 @@ def _register_fakes() -> None:
         lambda positions, x, cos_sin, is_neox: x.new_empty(x.shape))
     torch.library.register_fake("pagedserve_cpu::silu_and_mul")(
         lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)))
+    torch.library.register_fake("pagedserve_cpu::reshape_and_cache")(lambda key, value, kc, vc, slots: None)
 
 
 def _check_cpu() -> str | None:
@@ -116,6 +117,8 @@ def cpu_linear_ops():
 
     Thread-safe; builds at most once per process. Never raises.
     """
+    if "ops" in _state:   # set once, never changed: no lock on the per-call path
+        return _state["ops"]
     with _lock:
         if "ops" not in _state:
             reason = _check_cpu()
@@ -129,8 +132,8 @@ def cpu_linear_ops():
                     reason = f"{type(e).__name__}: {e}"
             if reason is not None:
                 log.warning("cpu_kernels_unavailable", reason=reason)
-            _state["ops"] = None if reason else torch.ops.pagedserve_cpu
             _state["reason"] = reason
+            _state["ops"] = None if reason else torch.ops.pagedserve_cpu   # last: the lock-free read keys on it
         return _state["ops"]
 
 

@@ -15,15 +15,20 @@ from .. import ops
 from .cpu_build import cpu_linear_ops
 
 
+_ready = False   # the library loaded (checked once; it never unloads)
+
+
 def _loaded() -> bool:
     # Under torch.compile the library is loaded already (the CPU backend, the only user that compiles, needs it),
     # and dynamo cannot trace cpu_linear_ops()'s lock.
-    return torch.compiler.is_compiling() or cpu_linear_ops() is not None
+    global _ready
+    if not _ready:
+        _ready = torch.compiler.is_compiling() or cpu_linear_ops() is not None
+    return _ready
 
 
 def _fits(x: torch.Tensor, multiple: int) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] % multiple == 0 and \
-        x.stride(-1) == 1 and _loaded()
+    return x.dtype == torch.float32 and x.is_cpu and x.shape[-1] % multiple == 0 and x.stride(-1) == 1 and _loaded()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -43,7 +43,17 @@ def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    return x.reshape(-1, k).to(torch.float32).contiguous()
+    x = x.reshape(-1, k) if x.dim() != 2 else x
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's float32 ``[M, N]`` output in ``x``'s dtype and leading dimensions."""
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
@@ -96,7 +106,7 @@ class StreamingInt4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.pagedserve_cpu.linear_q4(_rows(x, self.in_features), self.codes, self.scales, self.mins,
                                                self.group_size, self.bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return _like(y, x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, source={self.source}"
@@ -126,7 +136,7 @@ class StreamingInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.pagedserve_cpu.linear_q8(_rows(x, self.in_features), self.codes, self.scales,
                                                self.group_size, self.bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return _like(y, x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, source={self.source}"

@@ -597,6 +597,38 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 
+// KV write (reshape_and_cache): rows t of key / value [T, Hkv, D] (rows may be strided, each row's Hkv * D floats
+// contiguous) copied to slot slot_mapping[t] of k_cache / v_cache [blocks, block_size, Hkv, D]; slots < 0 (padding)
+// skipped. One call per layer instead of a mask, a check and two index_copy_ calls.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat, "key, value must be float32 [T, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "k_cache, v_cache must be contiguous float32 [blocks, block_size, kv_heads, head_dim]");
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row && k_cache.size(2) == key.size(1),
+              "cache rows must hold kv_heads x head_dim of key");
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "key / value rows must be contiguous within a row");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.numel() == T && slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be int64 [T]");
+  const at::Tensor slots_c = slot_mapping.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " out of range [0, ", num_slots, ")");
+  const float *kp = key.data_ptr<float>(), *vp = value.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    std::copy_n(kp + t * ks, row, kc + slots[t] * row);
+    std::copy_n(vp + t * vs, row, vc + slots[t] * row);
+  }
+}
+
 // ---- Elementwise layers (float32): the model's RMSNorm (+ residual add), rotary embedding and SwiGLU, each one pass
 // over its rows instead of the reference's chain of small torch ops (pagedserve/ops.py holds the reference
 // semantics these must match). Rows are split over the intra-op threads only when a step has enough of them to pay
@@ -741,6 +773,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("rotary_embedding(Tensor positions, Tensor x, Tensor cos_sin, bool is_neox) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) "
+        "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -751,4 +785,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("reshape_and_cache", &reshape_and_cache);
 }
