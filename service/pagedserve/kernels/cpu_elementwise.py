@@ -20,10 +20,12 @@ _ready = False   # the library loaded (checked once; it never unloads)
 
 def _loaded() -> bool:
     # Under torch.compile the library is loaded already (the CPU backend, the only user that compiles, needs it),
-    # and dynamo cannot trace cpu_linear_ops()'s lock.
+    # and dynamo cannot trace cpu_linear_ops()'s lock; nor must it read _ready (a guard on a global that changes).
+    if torch.compiler.is_compiling():
+        return True
     global _ready
     if not _ready:
-        _ready = torch.compiler.is_compiling() or cpu_linear_ops() is not None
+        _ready = cpu_linear_ops() is not None
     return _ready
 
 
