@@ -38,9 +38,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if nd == 0 or query.dtype != torch.float32 or k_cache.dtype != torch.float32 or query.shape[-1] % 8 or \
                 query.device.type != "cpu":
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)
-        if query.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
-            raise ValueError(f"bad shapes: query {tuple(query.shape)}, key {tuple(key.shape)}, "
-                             f"value {tuple(value.shape)}")
+        self._check_kv(query, key, value, k_cache)
         torch.ops.pagedserve_cpu.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         decode = torch.ops.pagedserve_cpu.paged_decode_attention(
             query[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd].contiguous(), meta.context_lens[:nd],

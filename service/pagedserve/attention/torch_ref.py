@@ -207,13 +207,19 @@ class TorchAttentionBackend(AttentionBackend):
         return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]),
                                    key, value, self._workspace)
 
-    def _write_kv(self, query, key, value, k_cache, v_cache, meta) -> None:
-        """Check the shapes and dtypes, then write the step's K/V rows into the caches (slot -1 rows skipped)."""
+    @staticmethod
+    def _check_kv(query, key, value, k_cache) -> None:
+        """Raises ValueError: query not ``[T, H, D]``, key and value of different shapes or not ``T`` rows, or a
+        cache whose dtype is not the key's."""
         if query.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
             raise ValueError(f"bad shapes: query {tuple(query.shape)}, key {tuple(key.shape)}, "
                              f"value {tuple(value.shape)}")
         if k_cache.dtype != key.dtype:
             raise ValueError(f"k_cache dtype {k_cache.dtype} != key dtype {key.dtype}")
+
+    def _write_kv(self, query, key, value, k_cache, v_cache, meta) -> None:
+        """Check the shapes and dtypes, then write the step's K/V rows into the caches (slot -1 rows skipped)."""
+        self._check_kv(query, key, value, k_cache)
         reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def _step_plan(self, meta, block_size: int) -> StepPlan:

@@ -132,7 +132,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         raw = logits.float()
-        processed, _ = _process(raw, rows)
+        processed = _process(raw, rows)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             token_ids = processed.argmax(dim=-1)
@@ -188,7 +188,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} / {len(rows)} rows do not match {num_rows} positions")
         raw = logits.float()
         device = raw.device
-        processed, _ = _process(raw, rows)
+        processed = _process(raw, rows)
         choice = processed.argmax(dim=-1)                 # the greedy rows' tokens; others overwritten below
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         dist = None
@@ -198,7 +198,7 @@ class Sampler:
             unseeded = [k for k, i in enumerate(rand) if rows[i].generator is None]
             if unseeded:  # rows whose uniforms come from the shared generator: all drawn at once
                 u_idx = torch.tensor(unseeded, device=device)
-                u = torch.rand(len(unseeded), dtype=torch.float64, device=device, generator=self._generator(device))
+                u = self._uniforms([rows[rand[k]] for k in unseeded], device)
                 choice[rand_idx[u_idx]] = dist.pick(u, u_idx)
         chosen = choice.tolist()
         where = {i: k for k, i in enumerate(rand)}
@@ -244,14 +244,14 @@ class Sampler:
         return self._generators[device]
 
 
-def _process(raw: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[int]]:
-    """Steps 0 and 2-5 on ``raw`` ``[B, V]`` fp32 (not modified): ``(processed logits, constrained row indices)``."""
+def _process(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Steps 0 and 2-5 on ``raw`` ``[B, V]`` fp32 (not modified): the processed logits."""
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
     masked = apply_grammars(raw, rows, constrained) if constrained else raw
     processed = apply_logits_processors(masked, rows)
     if constrained and processed is not masked:
         _keep_some_allowed(processed, masked, constrained)
-    return processed, constrained
+    return processed
 
 
 class Distribution(NamedTuple):

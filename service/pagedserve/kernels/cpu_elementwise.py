@@ -15,18 +15,10 @@ from .. import ops
 from .cpu_build import cpu_linear_ops
 
 
-_ready = False   # the library loaded (checked once; it never unloads)
-
-
 def _loaded() -> bool:
     # Under torch.compile the library is loaded already (the CPU backend, the only user that compiles, needs it),
-    # and dynamo cannot trace cpu_linear_ops()'s lock; nor must it read _ready (a guard on a global that changes).
-    if torch.compiler.is_compiling():
-        return True
-    global _ready
-    if not _ready:
-        _ready = cpu_linear_ops() is not None
-    return _ready
+    # and dynamo cannot trace cpu_linear_ops()'s lock (which, once loaded, it does not take).
+    return torch.compiler.is_compiling() or cpu_linear_ops() is not None
 
 
 def _fits(x: torch.Tensor, multiple: int) -> bool:
