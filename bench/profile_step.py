@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--linear-kernels", choices=["auto", "torch"], default="auto",
                    help="pagedserve's CPU linear kernels (auto) or torch's")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    p.add_argument("--by-module", action="store_true",
+                   help="also time the forward's parts: each linear shape, attention, norms (adds a little overhead)")
     return p.parse_args(argv)
 
 
@@ -54,6 +56,31 @@ def timed(owner, name: str, label: str, totals: collections.Counter) -> None:
             totals[label] += time.perf_counter() - start
 
     setattr(owner, name, wrapper)
+
+
+def time_modules(runner, parts: collections.Counter) -> None:
+    """Time the leaf work of the forward and LM head: every linear and embedding (labelled by class and shape),
+    the attention backend's forward, and its elementwise ops (RMSNorm, rotary, SwiGLU)."""
+    import dataclasses
+
+    for module in runner.model.modules():
+        name = type(module).__name__
+        if hasattr(module, "out_features") and hasattr(module, "in_features"):
+            timed(module, "forward", f"{name} {module.out_features}x{module.in_features}", parts)
+        elif "Embedding" in name:
+            timed(module, "forward", name, parts)
+    backend = runner.backend
+    timed(backend, "forward", f"attention ({type(backend).__name__})", parts)
+    ops = backend.elementwise
+    wrapped = {}
+    for field in dataclasses.fields(ops):
+        fn = getattr(ops, field.name)
+        if not callable(fn):
+            continue
+        holder = type("Holder", (), {field.name: staticmethod(fn)})
+        timed(holder, field.name, f"elementwise {field.name}", parts)
+        wrapped[field.name] = getattr(holder, field.name)
+    backend.elementwise = dataclasses.replace(ops, **wrapped)
 
 
 def main(argv=None) -> int:
@@ -75,6 +102,9 @@ def main(argv=None) -> int:
     timed(Sampler, "__call__", "sampler", totals)
     timed(engine, "_process", "append / stop / detokenize", totals)
     timed(runner, "prepare", "batch building", totals)
+    parts: collections.Counter = collections.Counter()
+    if args.by_module:
+        time_modules(runner, parts)
     timed(engine.scheduler, "schedule", "scheduler.schedule", totals)
     timed(engine.scheduler, "update", "scheduler.update", totals)
     rng = random.Random(0)
@@ -87,6 +117,7 @@ def main(argv=None) -> int:
                                               for r in engine.scheduler.running):
         engine.step()
     totals.clear()
+    parts.clear()
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -99,6 +130,13 @@ def main(argv=None) -> int:
         print(f"  {label:28s} {seconds / args.steps * 1e3:8.2f} ms  {seconds / wall * 100:5.1f}%")
     inside = totals["model forward"] + totals["LM head (logits)"]
     print(f"outside the model (all but forward and LM head): {(wall - inside) / wall * 100:.1f}% of the step")
+    if parts:
+        print("inside the forward and LM head (summed over layers):")
+        for label, seconds in parts.most_common():
+            print(f"  {label:40s} {seconds / args.steps * 1e3:8.2f} ms  {seconds / wall * 100:5.1f}%")
+        rest = inside - sum(parts.values())
+        print(f"  {'rest (residual adds, reshapes, Python)':40s} {rest / args.steps * 1e3:8.2f} ms  "
+              f"{rest / wall * 100:5.1f}%")
     return 0
 
 

@@ -14,7 +14,8 @@ from pagedserve.models.quant import Int4Weight, Int8BlockWeight, quantize_int4, 
 
 needs_kernels = pytest.mark.skipif(cpu_linear_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
 
-TOKEN_COUNTS = [1, 2, 3, 4, 5, 9, 33, 70, 200]   # fused (<= 4), register-tile and panel paths (tails of 6), > 96 (two token blocks)
+# fused (<= 4); float32 register-tile and panel paths (tails of 6); quantized row tiles (tails of 3); > 96 (token blocks)
+TOKEN_COUNTS = [1, 2, 3, 4, 5, 9, 33, 70, 200]
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def test_f32_kernel_matches_float64(m):
 def test_int4_layer_matches_dequantized_weight(m, group):
     """StreamingInt4Linear computes with the exact dequantized weights ((q - 8) * scale + zero), float32 math."""
     gen = torch.Generator().manual_seed(m * group)
-    q = quantize_int4(torch.randn(97, 256, generator=gen), group)
+    q = quantize_int4(torch.randn(97, 256, generator=gen), group)   # 97 rows: a tile of 1 left
     bias = torch.randn(97, generator=gen)
     x = torch.randn(m, 256, generator=gen)
     dense = q.dequantize()
@@ -55,9 +56,9 @@ def test_int4_layer_matches_dequantized_weight(m, group):
 def test_int8_layers_match_dequantized_weight(m):
     """Q8_0 blocks (group 32, float16 scales) and int8 per output channel (one group of K)."""
     gen = torch.Generator().manual_seed(100 + m)
-    codes = torch.randint(-127, 128, (50, 96), dtype=torch.int8, generator=gen)
-    blocks = Int8BlockWeight(codes, (torch.rand(50, 3, generator=gen) / 50).half())
-    channel = quantize_int8_per_channel(torch.randn(50, 96, generator=gen))
+    codes = torch.randint(-127, 128, (51, 96), dtype=torch.int8, generator=gen)   # 51 rows: a tile of 3 left
+    blocks = Int8BlockWeight(codes, (torch.rand(51, 3, generator=gen) / 50).half())
+    channel = quantize_int8_per_channel(torch.randn(51, 96, generator=gen))
     x = torch.randn(m, 96, generator=gen)
     for weight in (blocks, channel):
         dense = weight.dequantize()

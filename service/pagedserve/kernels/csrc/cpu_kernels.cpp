@@ -9,8 +9,11 @@
 // reaches about a third of this machine's read bandwidth there, and its int4/int8 CPU kernels are vectorized only for
 // bfloat16 activations on AVX2. Three paths, by token count M:
 //   - quantized, M <= 4 (kFusedTokens): each row decoded in registers and multiplied at once (fused_row);
-//   - M <= 4 otherwise (float32): a register tile of kRows rows x up to 4 tokens with horizontal sums (run);
-//   - M >= 5 (kPanelMinTokens): 8 rows at a time decoded and transposed into a panel [K][8] in L1/L2, then a
+//   - quantized, M >= 5: 4 rows at a time decoded into a row buffer in L1, then register tiles of 4 rows x 3
+//     tokens with k in vector lanes and horizontal sums (run_row_tiles);
+//   - float32, M <= 4: a register tile of kRows rows x up to 4 tokens with horizontal sums, weights read in place
+//     (run);
+//   - float32, M >= 5 (kPanelMinTokens): 8 rows at a time transposed into a panel [K][8] in L1/L2, then a
 //     register tile of 16 rows x 6 tokens with the rows in vector lanes (run_panels).
 //
 // Formats (row-major, one row per output channel n):
@@ -86,14 +89,15 @@ inline void tile(const float* const* w, const float* x, int64_t ldx, int64_t K, 
       out[t * ldo + n0 + r] = hsum(acc[r][t]) + (bias ? bias[n0 + r] : 0.0f);
 }
 
-template <int R>
+// Every token of x [M, K] times R rows: tiles of T tokens (T <= 4), then one tile of the M % T left.
+template <int R, int T = 4>
 inline void rows_times_tokens(const float* const* w, const float* x, int64_t M, int64_t K, float* out, int64_t N,
                               int64_t n0, const float* bias) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<R, 4>(w, x + m * K, K, K, out + m * N, N, n0, bias);
+  for (; m + T <= M; m += T) tile<R, T>(w, x + m * K, K, K, out + m * N, N, n0, bias);
   switch (M - m) {
-    case 3: tile<R, 3>(w, x + m * K, K, K, out + m * N, N, n0, bias); break;
-    case 2: tile<R, 2>(w, x + m * K, K, K, out + m * N, N, n0, bias); break;
+    case 3: if constexpr (T > 3) tile<R, 3>(w, x + m * K, K, K, out + m * N, N, n0, bias); break;
+    case 2: if constexpr (T > 2) tile<R, 2>(w, x + m * K, K, K, out + m * N, N, n0, bias); break;
     case 1: tile<R, 1>(w, x + m * K, K, K, out + m * N, N, n0, bias); break;
     default: break;
   }
@@ -271,13 +275,47 @@ void run(const F32Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, f
   });
 }
 
-// Many tokens (M >= kPanelMinTokens): rows in vector lanes. Each 8 output rows are decoded (or, for float32, read in
-// place) and transposed once into a panel [K][8] in a per-thread buffer; a register tile of 2 panels (16 rows) x
+// Quantized weights, M > kFusedTokens: each kQuantRows rows are decoded once per token block into a row buffer
+// (float32, row-major: no transpose) that stays in L1, then every token of the block is multiplied against them in
+// register tiles of kQuantRows rows x kQuantTokens tokens (12 accumulators, k in the vector lanes, one horizontal sum
+// per output). Against the panel path below this does less work per decoded weight (no transpose, no second store
+// and load) and so wins where the decoding is a large share, at 5-48 tokens: 120 Q4 linears of the embedded model,
+// same process, 1.23x at M = 16, 1.13x at 48, 1.00-1.10x at 96-256 (bench/README.md, quant section).
+constexpr int kQuantRows = 4;
+constexpr int kQuantTokens = 3;
+constexpr int64_t kTokenBlock = 96;   // tokens per block: a long prefill chunk's activations stay in L2
+
+template <class Rows>
+void run_row_tiles(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out,
+                   const float* bias) {
+  const int64_t units = (N + kQuantRows - 1) / kQuantRows;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rowbuf(kQuantRows * K);
+    for (int64_t m0 = 0; m0 < M; m0 += kTokenBlock) {
+      const int64_t mt = std::min(kTokenBlock, M - m0);
+      const float* xb = x + m0 * K;
+      float* ob = out + m0 * N;
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t n0 = unit * kQuantRows, r = std::min<int64_t>(kQuantRows, N - n0);
+        const float* w[kQuantRows];
+        for (int64_t i = 0; i < r; ++i) w[i] = rows.row(n0 + i, rowbuf.data() + i * K);
+        switch (r) {
+          case 4: rows_times_tokens<4, kQuantTokens>(w, xb, mt, K, ob, N, n0, bias); break;
+          case 3: rows_times_tokens<3, kQuantTokens>(w, xb, mt, K, ob, N, n0, bias); break;
+          case 2: rows_times_tokens<2, kQuantTokens>(w, xb, mt, K, ob, N, n0, bias); break;
+          default: rows_times_tokens<1, kQuantTokens>(w, xb, mt, K, ob, N, n0, bias); break;
+        }
+      }
+    }
+  });
+}
+
+// Float32 weights, M >= kPanelMinTokens: rows in vector lanes. Each 8 output rows are read in place and transposed
+// once into a panel [K][8] in a per-thread buffer; a register tile of 2 panels (16 rows) x
 // up to 6 tokens (12 accumulators) then walks k, broadcasting one activation per token: no horizontal sums, each
 // token's x row read once per 16 rows, and the results are stored 8 contiguous outputs at a time.
-constexpr int64_t kPanelMinTokens = kFusedTokens + 1;   // quantized rows past the fused path go here too
+constexpr int64_t kPanelMinTokens = 5;
 constexpr int kPanelTokens = 6;
-constexpr int64_t kPanelTokenBlock = 96;
 
 // In-register transpose of an 8 x 8 float block: r[i][j] -> r[j][i].
 inline void transpose8(__m256 r[8]) {
@@ -380,10 +418,10 @@ void run_panels(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t 
   const int64_t units = (N + 15) / 16;   // 16 output rows (two panels) per work unit
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rowbuf(8 * K), zeros(K, 0.0f), panel(16 * K);
-    // Token blocks of kPanelTokenBlock, so that a long prefill chunk's activations stay in L2 while every unit
-    // of this thread passes over them (the panels are decoded again per block).
-    for (int64_t m0 = 0; m0 < M; m0 += kPanelTokenBlock) {
-      const int64_t mt = std::min(kPanelTokenBlock, M - m0);
+    // Token blocks of kTokenBlock, so that a long prefill chunk's activations stay in L2 while every unit
+    // of this thread passes over them (the panels are built again per block).
+    for (int64_t m0 = 0; m0 < M; m0 += kTokenBlock) {
+      const int64_t mt = std::min(kTokenBlock, M - m0);
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t n0 = unit * 16;
         build_panel(rows, n0, N, K, rowbuf.data(), zeros.data(), panel.data());
@@ -442,7 +480,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                     x.data_ptr<float>(), M, out.data_ptr<float>(), N, bias ? bias->data_ptr<float>() : nullptr);
     return out;
   }
-  run_panels(Q4Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size},
+  run_row_tiles(Q4Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, group_size},
       x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
   return out;
 }
@@ -461,7 +499,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      bias ? bias->data_ptr<float>() : nullptr);
     return out;
   }
-  run_panels(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
+  run_row_tiles(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
       out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
   return out;
 }
