@@ -5,11 +5,17 @@
 On the embedded SmolLM2-135M-Instruct Q4_1 GGUF, greedy, EOS ignored, every system with --threads intra-op threads,
 one system at a time (each in its own process, stopped before the next starts):
 - `ours`: `pagedserve serve --quantization Q --dtype float32`: one stream (--max-new-tokens, median of --repeats
-  runs; TTFT, TPOT), then --streams concurrent chat streams of --stream-tokens each (output tokens/s).
+  runs; TTFT, TPOT), then --streams concurrent chat streams of --stream-tokens each (output tokens/s, prefill
+  included).
+- `llama.cpp`: llama-cpp-python on the same GGUF file, one stream (`Llama.generate`, top-k 1; median of --repeats
+  runs), run by --llamacpp-python (a separate venv: `make bench-llamacpp-setup`) in a worker process that stays
+  loaded; skipped, with a message, when that interpreter cannot import llama_cpp. Its tokens/s is 1 / TPOT
+  (decode only, no prefill).
+- The 16-stream ratio is taken in --rounds rounds while both stay loaded and idle between turns: each round runs our
+  streams (a new cache salt per round, so no prefix-cache hits on an earlier round) and one llama.cpp stream, in
+  alternating order; the ratio is the median of the rounds' ratios (the machines drift by up to 1.3x in minutes,
+  so each round compares two measurements taken seconds apart).
 - `hf`: HF transformers `generate` in float32 on the same GGUF (dequantized), one stream, a streamer's timings.
-- `llama.cpp`: llama-cpp-python on the same GGUF file, one stream (`Llama.generate`, top-k 1), run by
-  --llamacpp-python (a separate venv: `make bench-llamacpp-setup`); skipped, with a message, when that interpreter
-  cannot import llama_cpp.
 - weight memory: RSS grown by `build_model` in a fresh process, --quantization none against Q.
 
 Prints the table and the issue's ratios: our TPOT / HF's (goal <= 0.35), our streams' tokens/s / llama.cpp's
@@ -28,11 +34,14 @@ import sys
 import common
 import latency
 
-LLAMACPP_SCRIPT = r"""
+# A worker: loads the model once, then for each line "N" on stdin generates N tokens greedily from the prompt and
+# prints one JSON line (ttft_s, tpot_s, e2e_s, token_ids); the first line out is {"ready": version}.
+LLAMACPP_WORKER = r"""
 import json, sys, time
+import llama_cpp
 from llama_cpp import Llama
-path, threads, n_new, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-prompt = json.loads(sys.argv[5])
+path, threads = sys.argv[1], int(sys.argv[2])
+prompt = json.loads(sys.argv[3])
 llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
 def once(ids, n):
     start = time.perf_counter(); times = []; out = []
@@ -43,10 +52,36 @@ def once(ids, n):
     return {"ttft_s": times[0] - start, "e2e_s": times[-1] - start, "tpot_s": (times[-1] - times[0]) / (n - 1),
             "token_ids": out}
 once(prompt[:8], 8)
-runs = [once(prompt, n_new) for _ in range(repeats)]
-import llama_cpp
-print(json.dumps({"version": llama_cpp.__version__, "runs": runs}))
+print(json.dumps({"ready": llama_cpp.__version__}), flush=True)
+for line in sys.stdin:
+    print(json.dumps(once(prompt, int(line))), flush=True)
 """
+
+
+class LlamaCppWorker:
+    """LLAMACPP_WORKER as a subprocess; ``run(n)`` returns one generation's timings."""
+
+    def __init__(self, python: str, path: str, threads: int, prompt_ids: tuple[int, ...]):
+        self.proc = subprocess.Popen([python, "-c", LLAMACPP_WORKER, path, str(threads), json.dumps(list(prompt_ids))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=common.server_env(threads))
+        self.version = self._read()["ready"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self, n: int) -> dict:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
 
 RSS_SCRIPT = r"""
 import json, sys, torch
@@ -69,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating rounds of our streams and one llama.cpp stream (the ratio is their median)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", sys.executable),
                    help="Python interpreter that can import llama_cpp (default: $LLAMACPP_PYTHON, else this one)")
@@ -77,7 +114,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def bench_ours(args, request, warmup, tokenizer) -> dict:
+def llamacpp_worker(args, request) -> LlamaCppWorker | None:
+    check = subprocess.run([args.llamacpp_python, "-c", "import llama_cpp"], capture_output=True, text=True)
+    if check.returncode != 0:
+        print(f"llama.cpp: skipped, {args.llamacpp_python} cannot import llama_cpp "
+              f"(make bench-llamacpp-setup builds one; then --llamacpp-python .venv-llamacpp/bin/python)")
+        return None
+    path = os.path.join(*common.model_location())
+    return LlamaCppWorker(args.llamacpp_python, path, args.threads, request.prompt_token_ids)
+
+
+def bench_ours_and_llamacpp(args, request, warmup, tokenizer) -> tuple[dict, dict | None]:
+    """Our server and the llama.cpp worker, both loaded: single streams of each, then the alternating rounds."""
     from pagedserve_client import PagedServeClient
 
     extra = ["--dtype", "float32", "--quantization", args.quantization]
@@ -86,31 +134,36 @@ def bench_ours(args, request, warmup, tokenizer) -> dict:
             quantization = client.model_info().generation.quantization
             latency.ours_once(client, warmup)
             runs = [latency.ours_once(client, request) for _ in range(args.repeats)]
-        requests = common.quick_workload(tokenizer, args.streams, args.stream_tokens)
-        records, wall_s = asyncio.run(common.run_streams(server.target, requests, args.streams))
-    out = latency.summary([r for r, _ in runs])
-    tokens = sum(r.num_tokens for r in records)
-    out.update(quantization=quantization, token_ids=runs[0][1], streams=args.streams,
-               streams_tokens_per_s=tokens / wall_s, streams_tpot_p50_ms=common.percentile(
-                   [r.tpot_s for r in records], 50) * 1e3)
-    return out
-
-
-def bench_llamacpp(args, request) -> dict | None:
-    check = subprocess.run([args.llamacpp_python, "-c", "import llama_cpp"], capture_output=True, text=True)
-    if check.returncode != 0:
-        print(f"llama.cpp: skipped, {args.llamacpp_python} cannot import llama_cpp "
-              f"(make bench-llamacpp-setup builds one; then --llamacpp-python .venv-llamacpp/bin/python)")
-        return None
-    path = os.path.join(*common.model_location())
-    out = subprocess.run([args.llamacpp_python, "-c", LLAMACPP_SCRIPT, path, str(args.threads),
-                          str(args.max_new_tokens), str(args.repeats), json.dumps(list(request.prompt_token_ids))],
-                         capture_output=True, text=True, check=True, env=common.server_env(args.threads))
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    runs = report["runs"]
-    return {"version": report["version"], "ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1e3,
-            "tpot_ms": statistics.median(r["tpot_s"] for r in runs) * 1e3,
-            "e2e_s": statistics.median(r["e2e_s"] for r in runs), "token_ids": runs[0]["token_ids"]}
+        ours = latency.summary([r for r, _ in runs])
+        ours.update(quantization=quantization, token_ids=runs[0][1], streams=args.streams, rounds=[])
+        worker = llamacpp_worker(args, request)
+        llama = None
+        try:
+            if worker is not None:
+                single = [worker.run(args.max_new_tokens) for _ in range(args.repeats)]
+                llama = {"version": worker.version, "ttft_ms": statistics.median(r["ttft_s"] for r in single) * 1e3,
+                         "tpot_ms": statistics.median(r["tpot_s"] for r in single) * 1e3,
+                         "e2e_s": statistics.median(r["e2e_s"] for r in single),
+                         "token_ids": single[0]["token_ids"], "rounds": []}
+            requests = common.quick_workload(tokenizer, args.streams, args.stream_tokens)
+            for i in range(args.rounds):
+                order = ("ours", "llama.cpp") if i % 2 == 0 else ("llama.cpp", "ours")
+                for who in order:
+                    if who == "ours":
+                        records, wall_s = asyncio.run(common.run_streams(server.target, requests, args.streams,
+                                                                         cache_salt=f"round-{i}"))
+                        ours["rounds"].append({
+                            "tokens_per_s": sum(r.num_tokens for r in records) / wall_s,
+                            "tpot_p50_ms": common.percentile([r.tpot_s for r in records], 50) * 1e3,
+                            "ttft_p50_ms": common.percentile([r.ttft_s for r in records], 50) * 1e3})
+                    elif llama is not None:
+                        llama["rounds"].append(worker.run(args.max_new_tokens)["tpot_s"] * 1e3)
+        finally:
+            if worker is not None:
+                worker.close()
+    ours["streams_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in ours["rounds"])
+    ours["streams_tpot_p50_ms"] = statistics.median(r["tpot_p50_ms"] for r in ours["rounds"])
+    return ours, llama
 
 
 def weight_rss(quantization: str) -> dict:
@@ -125,7 +178,8 @@ def main(argv=None) -> int:
     tokenizer = common.load_tokenizer()
     request = common.BenchRequest(common.chat_prompt_ids(tokenizer, args.prompt), args.max_new_tokens)
     warmup = common.warmup_request(tokenizer)
-    res = {"ours": bench_ours(args, request, warmup, tokenizer), "llama.cpp": bench_llamacpp(args, request)}
+    ours, llama = bench_ours_and_llamacpp(args, request, warmup, tokenizer)
+    res = {"ours": ours, "llama.cpp": llama}
     if not args.skip_hf:
         records, hf_tokens = latency.bench_hf(argparse.Namespace(dtype="float32", repeats=args.repeats),
                                               request, warmup, common.pad_id_of(tokenizer))
@@ -140,15 +194,22 @@ def main(argv=None) -> int:
             same = latency.common_prefix_len(r["token_ids"], res["ours"]["token_ids"])
             print(f"{name:<10} {r['ttft_ms']:>9.1f} {r['tpot_ms']:>9.2f} {1e3 / r['tpot_ms']:>15.1f}  {same}")
     ours = res["ours"]
-    print(f"ours, {args.streams} streams x {args.stream_tokens} tokens: {ours['streams_tokens_per_s']:.1f} tok/s, "
-          f"TPOT p50 {ours['streams_tpot_p50_ms']:.1f} ms")
+    print(f"ours, {args.streams} streams x {args.stream_tokens} tokens, median of {args.rounds} rounds: "
+          f"{ours['streams_tokens_per_s']:.1f} tok/s, TPOT p50 {ours['streams_tpot_p50_ms']:.1f} ms")
+    for i, r in enumerate(ours["rounds"]):
+        line = f"  round {i}: ours {r['tokens_per_s']:.1f} tok/s (TPOT p50 {r['tpot_p50_ms']:.1f} ms, TTFT p50 " \
+               f"{r['ttft_p50_ms']:.0f} ms)"
+        if llama is not None:
+            line += f", llama.cpp one stream {1e3 / llama['rounds'][i]:.1f} tok/s -> " \
+                    f"{r['tokens_per_s'] * llama['rounds'][i] / 1e3:.2f}x"
+        print(line)
     ratios = {}
     if "hf" in res:
         ratios["tpot_ours_over_hf_fp32"] = ours["tpot_ms"] / res["hf"]["tpot_ms"]
     if res["llama.cpp"] is not None:
         ratios["tpot_ours_over_llamacpp"] = ours["tpot_ms"] / res["llama.cpp"]["tpot_ms"]
-        llamacpp_tok_s = 1e3 / res["llama.cpp"]["tpot_ms"]
-        ratios["streams_tok_s_over_llamacpp_single"] = ours["streams_tokens_per_s"] / llamacpp_tok_s
+        ratios["streams_tok_s_over_llamacpp_single"] = statistics.median(
+            r["tokens_per_s"] * tpot_ms / 1e3 for r, tpot_ms in zip(ours["rounds"], llama["rounds"]))
     ratios["weight_rss_over_fp32"] = rss[args.quantization]["rss_bytes"] / rss["none"]["rss_bytes"]
     print(f"weight RSS: fp32 {rss['none']['rss_bytes'] / 2**20:.0f} MiB, {args.quantization} "
           f"{rss[args.quantization]['rss_bytes'] / 2**20:.0f} MiB")
