@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     p.add_argument("--attention-backend", choices=["auto", "cpu", "torch"], default="auto",
                    help="auto: the CPU backend (decodes on the C++ kernel) where the kernels load")
     p.add_argument("--linear-kernels", choices=["auto", "torch"], default="auto",
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
 
     config = EngineConfig(device="cpu", dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.running,
                           quantization=args.quantization, linear_kernels=args.linear_kernels,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           max_model_len=args.prompt_tokens + args.steps + 16)
     engine, _ = build_engine(config)
     totals: collections.Counter = collections.Counter()
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         engine.step()
     wall = time.perf_counter() - start
     assert len(engine.scheduler.running) == args.running, "requests finished early; raise max_tokens"
-    print(f"dtype {args.dtype}; " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(f"dtype {args.dtype}, KV cache {args.kv_cache_dtype}; " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(f"{args.running} running, {args.prompt_tokens}-token prompts, temperature {args.temperature}, "
           f"top-p {args.top_p}, top-k {args.top_k}: {wall / args.steps * 1e3:.1f} ms per decode step")
     for label, seconds in totals.most_common():

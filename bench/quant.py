@@ -104,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="our server's --kv-cache-dtype (auto: the model's float32)")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternating rounds of our streams and one llama.cpp stream (the ratio is their median)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -128,7 +130,7 @@ def bench_ours_and_llamacpp(args, request, warmup, tokenizer) -> tuple[dict, dic
     """Our server and the llama.cpp worker, both loaded: single streams of each, then the alternating rounds."""
     from pagedserve_client import PagedServeClient
 
-    extra = ["--dtype", "float32", "--quantization", args.quantization]
+    extra = ["--dtype", "float32", "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype]
     with common.ServerProcess(args.threads, extra) as server:
         with PagedServeClient(server.target, timeout_s=600) as client:
             quantization = client.model_info().generation.quantization
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
     rss = {q: weight_rss(q) for q in ("none", args.quantization)}
     print(f"\nprompt {len(request.prompt_token_ids)} tokens, {args.max_new_tokens} new tokens, greedy, median of "
           f"{args.repeats}; threads: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
-    print(f"ours: --quantization {args.quantization} -> {res['ours']['quantization']}")
+    print(f"ours: --quantization {args.quantization} -> {res['ours']['quantization']}; "
+          f"--kv-cache-dtype {args.kv_cache_dtype}")
     print(f"{'system':<10} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s 1 stream':>15}  greedy = ours on first")
     for name, r in res.items():
         if r is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -52,6 +53,11 @@ class EngineConfig:
             stored) or "auto" (a GGUF file keeps its own scheme where a kernel exists: Q4_0/Q4_1 as int4, Q8_0 as
             int8, others dequantized; an HF checkpoint stays unquantized). Activations stay in ``dtype`` around
             the kernels (see ``linear_kernels``; on CUDA the weights are dequantized, with a log line).
+        kv_cache_dtype: element type of the paged KV cache (vLLM's ``--kv-cache-dtype``): "auto" is ``dtype``;
+            "float16" or "bfloat16" halve the cache of a float32 model (twice the blocks for the same
+            ``kv_cache_memory_bytes``, half the bytes each decode step's attention reads). K/V rows are rounded to
+            it when written (round to nearest even) and widened exactly when read; attention math stays in float32.
+            A cache type other than ``dtype`` is supported on CPU only (ValueError on CUDA).
         quant_group_size: weights per int4 scale/zero along the input dimension when quantizing at load
             (32, 64 or 128); GGUF blocks keep their own (32).
         linear_kernels: what runs the linears on CPU: "auto" (pagedserve's AVX2 kernels for float32, int4 and
@@ -90,6 +96,7 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int | None = None
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     quant_group_size: int = field(default=32, metadata={"choices": (32, 64, 128)})
     linear_kernels: str = field(default="auto", metadata={"choices": ("auto", "torch")})
     speculative_config: str | None = None
@@ -101,6 +108,8 @@ class EngineConfig:
         _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
                f"unknown scheme {self.quantization!r}; one of auto, none, int8, int4")
         _check(self.quant_group_size in (32, 64, 128), "quant_group_size", "must be 32, 64 or 128")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"unknown dtype {self.kv_cache_dtype!r}; one of {', '.join(KV_CACHE_DTYPES)}")
         _check(self.linear_kernels in ("auto", "torch"), "linear_kernels",
                f"unknown choice {self.linear_kernels!r}; one of auto, torch")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")

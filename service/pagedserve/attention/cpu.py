@@ -4,7 +4,8 @@ Decode rows read their context straight from the paged KV cache through the bloc
 (``torch.ops.pagedserve_cpu.paged_decode_attention``, ``kernels/csrc/cpu_kernels.cpp``), instead of the reference's
 gather of every block into a buffer followed by a masked SDPA per group, which at 32 running requests with 300-token
 contexts copies about 440 MB of K/V per step. Prefill chunks keep the reference path (torch's CPU flash kernel).
-float32 caches only; other dtypes, and a CPU where the kernels do not load, get the reference path throughout.
+float32 queries with a float32, float16 or bfloat16 cache (``--kv-cache-dtype``: rows rounded when written, widened
+exactly when read); other dtypes, and a CPU where the kernels do not load, get the reference path throughout.
 The model's RMSNorm, rotary embedding and SwiGLU run on the C++ elementwise kernels
 (:data:`pagedserve.kernels.cpu_elementwise.CPU_OPS`, reference fallback likewise).
 """
@@ -16,6 +17,9 @@ from ..kernels.cpu_build import cpu_linear_ops
 from ..kernels.cpu_elementwise import CPU_OPS
 from .base import AttentionMetadata
 from .torch_ref import StepPlan, TorchAttentionBackend, paged_attention_ref
+
+
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # what the C++ kernels read and write (F16C)
 
 
 def cpu_decode_kernel_available() -> bool:
@@ -35,7 +39,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
         nd = meta.num_decode_seqs
-        if nd == 0 or query.dtype != torch.float32 or k_cache.dtype != torch.float32 or query.shape[-1] % 8 or \
+        if nd == 0 or query.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or query.shape[-1] % 8 or \
                 query.device.type != "cpu":
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)
         self._check_kv(query, key, value, k_cache)

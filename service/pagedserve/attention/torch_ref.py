@@ -24,14 +24,16 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[T]`` int64; slot ``s`` is block ``s // block_size``, offset ``s % block_size``; ``s < 0``
             is padding and is skipped.
+
+    A cache of another float dtype than the rows (``--kv-cache-dtype``) gets them rounded to its dtype (``.to``).
     """
     valid = slot_mapping >= 0
     slots = slot_mapping if bool(valid.all()) else slot_mapping[valid]
     if not bool(valid.all()):
         key, value = key[valid], value[valid]
     num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slots, key)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slots, value)
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -210,11 +212,11 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _check_kv(query, key, value, k_cache) -> None:
         """Raises ValueError: query not ``[T, H, D]``, key and value of different shapes or not ``T`` rows, or a
-        cache whose dtype is not the key's."""
+        cache whose dtype is neither the key's nor float16 / bfloat16 (``--kv-cache-dtype``)."""
         if query.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
             raise ValueError(f"bad shapes: query {tuple(query.shape)}, key {tuple(key.shape)}, "
                              f"value {tuple(value.shape)}")
-        if k_cache.dtype != key.dtype:
+        if k_cache.dtype != key.dtype and k_cache.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"k_cache dtype {k_cache.dtype} != key dtype {key.dtype}")
 
     def _write_kv(self, query, key, value, k_cache, v_cache, meta) -> None:

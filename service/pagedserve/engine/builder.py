@@ -14,7 +14,7 @@ from ..models.registry import architecture_of, build_model
 from .compiled import DEFAULT_COMPILE_SIZES, CompiledForward, use_compiled
 from .cuda_graphs import CudaGraphForward
 from .llm_engine import LLMEngine
-from .model_runner import ModelRunner, allocate_kv_caches, kv_block_bytes
+from .model_runner import ModelRunner, allocate_kv_caches, kv_block_bytes, kv_cache_dtype
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +44,7 @@ class EngineInfo:
     cuda_graphs: bool = False            # "compiled" on CUDA: decode steps replay CUDA graphs (engine.cuda_graphs)
     linear_kernels: str = "torch"        # whose kernels run the linears: "pagedserve-cpu" (models.cpu_linear) or "torch"
     speculative: str | None = None       # the speculative decoding method ("ngram, 4 drafts"); None: off
+    kv_cache_dtype: str = "float32"      # the KV cache's element type (--kv-cache-dtype; auto: the model's dtype)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,9 +107,8 @@ def profile_peak_memory_bytes(config: EngineConfig, model, backend, device: torc
     n = min(config.max_num_batched_tokens, int(model.config.max_position_embeddings))
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    dtype = model.norm.dtype
     caches = allocate_kv_caches(model.num_layers, 1, config.block_size, model.num_kv_heads, model.head_dim,
-                                dtype, device)
+                                kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device), device)
     i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
         slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
@@ -163,7 +163,8 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
 def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, device, dtype, backend,
                    compile_sizes) -> tuple[LLMEngine, EngineInfo]:
     backend = backend or select_backend(config.attention_backend, device)
-    block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+    block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
     num_blocks = config.num_kv_blocks or max(1, kv_cache_bytes(config, model, backend, device) // block_bytes)
     if hasattr(model, "agree_num_blocks"):  # tensor parallel: the minimum over ranks; every rank allocates it
         num_blocks = model.agree_num_blocks(num_blocks)
@@ -179,7 +180,7 @@ def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, de
     else:
         max_model_len = min(model_max, capacity)
     kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
-                                   model.head_dim, dtype, device)
+                                   model.head_dim, kv_dtype, device)
     runner = ModelRunner(model, backend, kv_caches, config.block_size, device, config.seed)
     if use_compiled(config.enforce_eager, backend, device, config.tensor_parallel_size):
         if device.type == "cuda":
@@ -195,6 +196,7 @@ def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, de
                       device=str(device), attention_backend=backend.name, max_model_len=max_model_len,
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
+                      kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
                       quantization=getattr(model, "quantization", "none"),
                       tensor_parallel_size=getattr(getattr(model, "tp", None), "size", 1),
                       compiled=runner.compiled is not None,

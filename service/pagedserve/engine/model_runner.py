@@ -25,6 +25,23 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
             for _ in range(num_layers)]
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type for ``EngineConfig.kv_cache_dtype`` ``name``: "auto" is ``model_dtype``,
+    otherwise ``torch.<name>``.
+
+    Raises:
+        ValueError: naming kv_cache_dtype, a type other than ``model_dtype`` on a non-CPU device (the CUDA kernels
+            read and write the cache in the model's dtype only).
+    """
+    if name == "auto":
+        return model_dtype
+    dtype = getattr(torch, name)
+    if dtype != model_dtype and device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype: {name} differs from the model dtype {str(model_dtype)[6:]}; a cache "
+                         f"type of its own is supported on CPU only (use auto on {device.type})")
+    return dtype
+
+
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers, K and V."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -98,9 +98,10 @@ def worker_main(spec: WorkerSpec) -> None:
 def serve_steps(model, control, config: EngineConfig, device: torch.device) -> None:
     """The worker loop: run each message rank 0 broadcasts until ``("stop",)``."""
     from ..engine.builder import select_backend
-    from ..engine.model_runner import allocate_kv_caches
+    from ..engine.model_runner import allocate_kv_caches, kv_cache_dtype
 
     backend = select_backend(config.attention_backend, device)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device)
     kv_caches = None
     while True:
         message = group.receive(control)
@@ -110,7 +111,7 @@ def serve_steps(model, control, config: EngineConfig, device: torch.device) -> N
         if kind == "forward":
             input_ids, positions, meta = message[1:]
             caches = kv_caches or allocate_kv_caches(model.num_layers, 1, config.block_size, model.num_kv_heads,
-                                                     model.head_dim, model.norm.dtype, device)  # profiling run
+                                                     model.head_dim, kv_dtype, device)  # profiling run
             model(input_ids.to(device), positions.to(device), caches, meta_to(meta, device), backend)
         elif kind == "logits":
             model.compute_logits(message[1].to(device))
@@ -119,7 +120,7 @@ def serve_steps(model, control, config: EngineConfig, device: torch.device) -> N
         elif kind == "kv":
             num_blocks = agree_num_blocks(min(message[1], own_block_limit(config, model, device)), control)
             kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
-                                           model.head_dim, model.norm.dtype, device)
+                                           model.head_dim, kv_dtype, device)
         elif kind != "ping":
             raise ValueError(f"unknown tensor-parallel message {kind!r}")
 
@@ -134,13 +135,14 @@ def agree_num_blocks(num_blocks: int, control) -> int:
 def own_block_limit(config: EngineConfig, model, device: torch.device) -> int:
     """KV blocks this rank's memory allows: on CUDA without an explicit size, what ``gpu_memory_utilization``
     leaves after the weights and the profiled forward (peak so far); otherwise no limit of its own."""
-    from ..engine.model_runner import kv_block_bytes
+    from ..engine.model_runner import kv_block_bytes, kv_cache_dtype
 
     if device.type != "cuda" or config.num_kv_blocks or config.kv_cache_memory_bytes:
         return 1 << 62
     free = int(torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization) \
         - int(torch.cuda.max_memory_allocated(device))
-    block = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, model.norm.dtype)
+    block = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim,
+                           kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device))
     return max(1, free // block)
 
 

@@ -31,7 +31,7 @@ import torch
 log = structlog.get_logger(__name__)
 
 SOURCE = "cpu_kernels.cpp"
-CXX_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-w")
+CXX_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-w")
 CACHE_DIR = Path.home() / ".cache" / "pagedserve" / "cpu_kernels"
 
 _lock = threading.Lock()

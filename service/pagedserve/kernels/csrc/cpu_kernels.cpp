@@ -25,6 +25,8 @@
 // Threads: ATen's intra-op pool (at::parallel_for) over tiles of output rows, so the kernels share torch's threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -33,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -511,23 +514,40 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // from L1/L2 after its first head. Scores go to a per-thread buffer [context]; softmax in float32 with the row
 // maximum subtracted (exp8). Context rows are walked a cache block at a time (no per-token division).
 
+inline bool is_cache_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
 // Sums of 4 vectors as one 4-float vector: [hsum(a0), hsum(a1), hsum(a2), hsum(a3)].
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// KV cache element types: float32 as is; float16 (F16C) and bfloat16 (the upper 16 bits of a float32) widened
+// exactly to float32 on load (--kv-cache-dtype).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+template <class C>
 struct DecodeArgs {
-  const float *q, *k, *v;
+  const float* q;
+  const C *k, *v;
   const int32_t *tables, *lens;
   float* out;
   int64_t H, Hkv, D, block_size, max_blocks;
   float scale;
 };
 
-// One (sequence s, query head h); DV = D / 8 vectors per row (DV = 0: D read at run time).
-template <int DV>
-void decode_head(const DecodeArgs& a, int64_t s, int64_t h, std::vector<float>& scores) {
+// One (sequence s, query head h); DV = D / 8 vectors per row (DV = 0: D read at run time); C the cache type.
+template <int DV, class C>
+void decode_head(const DecodeArgs<C>& a, int64_t s, int64_t h, std::vector<float>& scores) {
   const int64_t D = DV ? DV * 8 : a.D, nv = D / 8, len = a.lens[s], G = a.H / a.Hkv, kvh = h / G;
   const int64_t row_stride = a.Hkv * D, bs = a.block_size;
   const int32_t* table = a.tables + s * a.max_blocks;
@@ -535,23 +555,23 @@ void decode_head(const DecodeArgs& a, int64_t s, int64_t h, std::vector<float>& 
   scores.resize(len);
   float* row = scores.data();
   for (int64_t t0 = 0; t0 < len; t0 += bs) {
-    const float* k0 = a.k + (static_cast<int64_t>(table[t0 / bs]) * bs * a.Hkv + kvh) * D;
+    const C* k0 = a.k + (static_cast<int64_t>(table[t0 / bs]) * bs * a.Hkv + kvh) * D;
     const int64_t n = std::min(bs, len - t0);
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {       // four tokens at a time: one reduction for four scores
-      const float* kr = k0 + i * row_stride;
+      const C* kr = k0 + i * row_stride;
       __m256 acc[4];
       for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < nv; ++d) {
         const __m256 qv = _mm256_loadu_ps(qh + 8 * d);
-        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + j * row_stride + 8 * d), acc[j]);
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(kr + j * row_stride + 8 * d), acc[j]);
       }
       _mm_storeu_ps(row + t0 + i, _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(a.scale)));
     }
     for (; i < n; ++i) {
-      const float* kr = k0 + i * row_stride;
+      const C* kr = k0 + i * row_stride;
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < nv; ++d) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), _mm256_loadu_ps(kr + 8 * d), acc);
+      for (int64_t d = 0; d < nv; ++d) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), load8(kr + 8 * d), acc);
       row[t0 + i] = hsum(acc) * a.scale;
     }
   }
@@ -581,14 +601,14 @@ void decode_head(const DecodeArgs& a, int64_t s, int64_t h, std::vector<float>& 
     __m256 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t u0 = 0; u0 < len; u0 += bs) {
-      const float* vr = a.v + (static_cast<int64_t>(table[u0 / bs]) * bs * a.Hkv + kvh) * D + 8 * d0;
+      const C* vr = a.v + (static_cast<int64_t>(table[u0 / bs]) * bs * a.Hkv + kvh) * D + 8 * d0;
       const int64_t n = std::min(bs, len - u0);
       for (int64_t i = 0; i < n; ++i, vr += row_stride) {
         const __m256 p = _mm256_set1_ps(row[u0 + i]);
         if (DV == 8) {
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, load8(vr + 8 * j), acc[j]);
         } else {
-          for (int j = 0; j < m; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+          for (int j = 0; j < m; ++j) acc[j] = _mm256_fmadd_ps(p, load8(vr + 8 * j), acc[j]);
         }
       }
     }
@@ -599,9 +619,11 @@ void decode_head(const DecodeArgs& a, int64_t s, int64_t h, std::vector<float>& 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [S, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache, v_cache must be contiguous float32 [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && is_cache_type(k_cache.scalar_type()) && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.is_contiguous(),
+              "k_cache, v_cache must be contiguous float32, float16 or bfloat16 [blocks, block_size, Hkv, D] "
+              "of one dtype");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be contiguous int32 [S, max_blocks]");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt, "context_lens must be int32 [S]");
@@ -621,16 +643,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   "block id out of range for sequence ", s);
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const DecodeArgs args{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, lens,
-                        out.data_ptr<float>(), H, Hkv, D, block_size, max_blocks, static_cast<float>(scale)};
-  at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      if (D == 64) decode_head<8>(args, item / H, item % H, scores);
-      else if (D == 128) decode_head<16>(args, item / H, item % H, scores);
-      else decode_head<0>(args, item / H, item % H, scores);
-    }
-  });
+  const auto run = [&](auto* cache_type) {
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    const DecodeArgs<C> args{q.data_ptr<float>(), static_cast<const C*>(k_cache.data_ptr()),
+                             static_cast<const C*>(v_cache.data_ptr()), tables, lens, out.data_ptr<float>(), H, Hkv,
+                             D, block_size, max_blocks, static_cast<float>(scale)};
+    at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t item = begin; item < end; ++item) {
+        if (D == 64) decode_head<8>(args, item / H, item % H, scores);
+        else if (D == 128) decode_head<16>(args, item / H, item % H, scores);
+        else decode_head<0>(args, item / H, item % H, scores);
+      }
+    });
+  };
+  if (k_cache.scalar_type() == at::kHalf) run(static_cast<at::Half*>(nullptr));
+  else if (k_cache.scalar_type() == at::kBFloat16) run(static_cast<at::BFloat16*>(nullptr));
+  else run(static_cast<float*>(nullptr));
   return out;
 }
 
@@ -638,16 +667,41 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // KV write (reshape_and_cache): rows t of key / value [T, Hkv, D] (rows may be strided, each row's Hkv * D floats
 // contiguous) copied to slot slot_mapping[t] of k_cache / v_cache [blocks, block_size, Hkv, D]; slots < 0 (padding)
 // skipped. One call per layer instead of a mask, a check and two index_copy_ calls.
+// One float32 row of n (a multiple of 8) into the cache's type: float16 rounds to nearest even (F16C), bfloat16
+// likewise (NaN stays a quiet NaN), as torch's .to() does.
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
+inline void store_row(const float* src, int64_t n, at::Half* dst) {
+  for (int64_t i = 0; i < n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store_row(const float* src, int64_t n, at::BFloat16* dst) {
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), qnan = _mm256_set1_epi32(0x7FC0);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    const __m256i b = _mm256_castps_si256(x);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+    r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    // 8 x 32-bit lanes holding 16-bit values -> 8 x 16 bits (packus works per 128-bit half, so fix the order)
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+  }
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == at::kFloat &&
                   value.scalar_type() == at::kFloat, "key, value must be float32 [T, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache, v_cache must be contiguous float32 [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && is_cache_type(k_cache.scalar_type()) && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.is_contiguous(),
+              "k_cache, v_cache must be contiguous float32, float16 or bfloat16 [blocks, block_size, kv_heads, "
+              "head_dim] of one dtype");
   const int64_t T = key.size(0), row = key.size(1) * key.size(2);
   TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row && k_cache.size(2) == key.size(1),
               "cache rows must hold kv_heads x head_dim of key");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || row % 8 == 0,
+              "a float16 / bfloat16 cache needs kv_heads x head_dim a multiple of 8");
   for (const at::Tensor* t : {&key, &value})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "key / value rows must be contiguous within a row");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.numel() == T && slot_mapping.scalar_type() == at::kLong,
@@ -658,13 +712,19 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at:
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " out of range [0, ", num_slots, ")");
   const float *kp = key.data_ptr<float>(), *vp = value.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
-  for (int64_t t = 0; t < T; ++t) {
-    if (slots[t] < 0) continue;
-    std::copy_n(kp + t * ks, row, kc + slots[t] * row);
-    std::copy_n(vp + t * vs, row, vc + slots[t] * row);
-  }
+  const auto run = [&](auto* cache_type) {
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    C *kc = static_cast<C*>(k_cache.data_ptr()), *vc = static_cast<C*>(v_cache.data_ptr());
+    for (int64_t t = 0; t < T; ++t) {
+      if (slots[t] < 0) continue;
+      store_row(kp + t * ks, row, kc + slots[t] * row);
+      store_row(vp + t * vs, row, vc + slots[t] * row);
+    }
+  };
+  if (k_cache.scalar_type() == at::kHalf) run(static_cast<at::Half*>(nullptr));
+  else if (k_cache.scalar_type() == at::kBFloat16) run(static_cast<at::BFloat16*>(nullptr));
+  else run(static_cast<float*>(nullptr));
 }
 
 // ---- Elementwise layers (float32): the model's RMSNorm (+ residual add), rotary embedding and SwiGLU, each one pass
