@@ -165,3 +165,9 @@ def test_kv_cache_dtype_is_checked():
     assert kv_cache_dtype("bfloat16", torch.float32, torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype: float16 differs from the model dtype float32; .* CPU only"):
         kv_cache_dtype("float16", torch.float32, torch.device("cuda"))
+
+
+def test_model_info_reports_the_kv_cache_dtype(server, client):
+    """GetModelInfo.generation.kv_cache_dtype is the cache's element type (the session server: auto -> float32)."""
+    assert client.model_info().generation.kv_cache_dtype == "float32"
+    assert server.engine.runner.kv_caches[0][0].dtype == torch.float32

@@ -908,6 +908,7 @@ class GenerationModelInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _builtins.int
     COMPILED_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name or path given to --model."""
     architecture: _builtins.str
@@ -937,6 +938,8 @@ class GenerationModelInfo(_message.Message):
     """
     tensor_parallel_size: _builtins.int
     """Ranks the model is split over (tensor parallelism; 1: one process)."""
+    kv_cache_dtype: _builtins.str
+    """Element type of the paged KV cache (--kv-cache-dtype; "auto" serves it in dtype), e.g. float16."""
     def __init__(
         self,
         *,
@@ -954,10 +957,11 @@ class GenerationModelInfo(_message.Message):
         quantization: _builtins.str = ...,
         compiled: _builtins.bool = ...,
         tensor_parallel_size: _builtins.int = ...,
+        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "kv_block_bytes", b"kv_block_bytes", "max_model_len", b"max_model_len", "name", b"name", "num_kv_blocks", b"num_kv_blocks", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "kv_block_bytes", b"kv_block_bytes", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_kv_blocks", b"num_kv_blocks", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,7 +119,7 @@ class App:
                           tensor_parallel_size=info.tensor_parallel_size, compiled=info.compiled,
                           compile_cache=info.compile_cache, cuda_graphs=info.cuda_graphs,
                           quantization=info.quantization, linear_kernels=info.linear_kernels,
-                          speculative=info.speculative,
+                          speculative=info.speculative, kv_cache_dtype=info.kv_cache_dtype,
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2))
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)

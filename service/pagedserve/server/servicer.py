@@ -90,7 +90,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 vocab_size=info.vocab_size, block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
                 kv_block_bytes=info.kv_block_bytes, attention_backend=info.attention_backend, device=info.device,
                 prefix_caching=info.prefix_caching, quantization=info.quantization,
-                tensor_parallel_size=info.tensor_parallel_size, compiled=info.compiled))
+                tensor_parallel_size=info.tensor_parallel_size, compiled=info.compiled,
+                kv_cache_dtype=info.kv_cache_dtype))
             fields = pb.KVCacheStats.DESCRIPTOR.fields_by_name  # (the engine's stats hold more, e.g. spec decode)
             resp.kv_cache.CopyFrom(pb.KVCacheStats(**{k: v for k, v in generation.kv_cache_stats().items()
                                                       if k in fields}))
