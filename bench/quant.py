@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stream-tokens", type=int, default=64)
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="our server's --kv-cache-dtype (auto: the model's float32)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="alternating rounds of our streams and one llama.cpp stream (the ratio is their median)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON", sys.executable),
