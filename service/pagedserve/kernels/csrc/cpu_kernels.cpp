@@ -143,6 +143,10 @@ struct Q8Rows {
 // out[t * N + n] = sum_g scale[n, g] * dot(q[n, g], x[t, g]) + sum_g min[n, g] * xsum[t, g] (+ bias[n]), where
 // xsum[t, g] is the sum of token t's activations over group g (q4: w = q * scale + min; q8 has no min).
 constexpr int64_t kFusedTokens = 4;
+// Rows prefetched ahead on the fused path: the hardware prefetchers lose the three streams (codes, scales, mins)
+// at page ends; same-process A/B at M=1 on the Q8_0 LM head 1.19-1.30x (2, 4, 8 rows ahead), 120 Q4 layers
+// 1.00-1.05x.
+constexpr int64_t kPrefetchRows = 4;
 
 // 32 Q4 weights (16 bytes) as 4 x 8 floats in order: bytes 0-7 and 8-15 zero-extended to 32 bits straight from
 // memory (two shuffles instead of four), their low nibbles weights 0-15, high nibbles weights 16-31.
@@ -236,9 +240,17 @@ void fused_rows(const uint8_t* codes, const float* scale, const float* min, int6
                 const float* x, const float* xsum, float* out, int64_t N, const float* bias) {
   const int64_t groups = K / group_size, row_bytes = kQ4 ? K / 2 : K;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
+    for (int64_t n = begin; n < end; ++n) {
+      if (n + kPrefetchRows < end) {   // software prefetch of a row ahead: codes, scales, mins (see below)
+        const int64_t a = n + kPrefetchRows;
+        const char* p = reinterpret_cast<const char*>(codes + a * row_bytes);
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(scale + a * groups), _MM_HINT_T0);
+        if constexpr (kQ4) _mm_prefetch(reinterpret_cast<const char*>(min + a * groups), _MM_HINT_T0);
+      }
       fused_row<kQ4, T>(codes + n * row_bytes, scale + n * groups, kQ4 ? min + n * groups : nullptr, K, group_size,
                         x, xsum, out, N, n, bias);
+    }
   });
 }
 
