@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/profile_step.py                      # 32 running, 300-token prompts, 20 decode steps
     .venv/bin/python bench/profile_step.py --temperature 0      # greedy (no top-k / top-p work)
+    .venv/bin/python bench/profile_step.py --running 16 --by-module --kv-cache-dtype float16   # each layer's share
     .venv/bin/py-spy record -o /tmp/step.svg -- .venv/bin/python bench/profile_step.py --steps 100   # flame graph
 
 Builds the engine on the embedded model (CPU, torch attention), adds `--running` requests with random prompts of
