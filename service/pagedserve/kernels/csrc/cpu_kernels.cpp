@@ -7,7 +7,7 @@
 //
 // Why: at decode (M = 1..64 tokens) a linear is bound by how fast its weights stream from memory; torch's fp32 GEMM
 // reaches about a third of this machine's read bandwidth there, and its int4/int8 CPU kernels are vectorized only for
-// bfloat16 activations on AVX2. Three paths, by token count M:
+// bfloat16 activations on AVX2. Paths, by token count M:
 //   - quantized, M <= 4 (kFusedTokens): each row decoded in registers and multiplied at once (fused_row);
 //   - quantized, M >= 5: 4 rows at a time decoded into a row buffer in L1, then register tiles of 4 rows x 3
 //     tokens with k in vector lanes and horizontal sums (run_row_tiles);
@@ -23,6 +23,7 @@
 //        g = k / group_size; scale, min float32 [N, K / group_size].
 //   q8:  codes int8 [N, K]; w = q * scale[n, g], scale float32 [N, K / group_size].
 // Threads: ATen's intra-op pool (at::parallel_for) over tiles of output rows, so the kernels share torch's threads.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -35,7 +36,6 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -125,18 +125,7 @@ struct Q8Rows {
   const int8_t* codes;
   const float* scale;
   int64_t K, group_size;
-  const float* row(int64_t n, float* dst) const {
-    const int8_t* q = codes + n * K;
-    const int64_t groups = K / group_size;
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 s = _mm256_set1_ps(scale[n * groups + g]);
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
-        _mm256_storeu_ps(dst + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s));
-      }
-    }
-    return dst;
-  }
+  const float* row(int64_t n, float* dst) const;
 };
 
 // Few tokens (T <= kFusedTokens): a quantized row is decoded in registers and multiplied at once, never stored.
@@ -177,6 +166,20 @@ const float* Q4Rows::row(int64_t n, float* dst) const {
 inline void decode_q8_32(const int8_t* q, __m256 v[4]) {
   for (int p = 0; p < 4; ++p)
     v[p] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p))));
+}
+
+const float* Q8Rows::row(int64_t n, float* dst) const {
+  const int8_t* q = codes + n * K;
+  const int64_t groups = K / group_size;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 s = _mm256_set1_ps(scale[n * groups + g]);
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
+      __m256 v[4];
+      decode_q8_32(q + k, v);
+      for (int p = 0; p < 4; ++p) _mm256_storeu_ps(dst + k + 8 * p, _mm256_mul_ps(v[p], s));
+    }
+  }
+  return dst;
 }
 
 // dot(a[0:n], b[0:n]) with 8-wide FMAs (the min term: sum_g min[g] * xsum[g]).
@@ -351,12 +354,10 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
-// panel[k * 8 + i] = row n0 + i of the weight at k (rows past N are zero). rowbuf: 8 * K floats of scratch.
-template <class Rows>
-void build_panel(const Rows& rows, int64_t n0, int64_t N, int64_t K, float* rowbuf, const float* zeros,
-                 float* panel) {
+// panel[k * 8 + i] = row n0 + i of the weight at k (rows past N are zero).
+void build_panel(const F32Rows& rows, int64_t n0, int64_t N, int64_t K, const float* zeros, float* panel) {
   const float* src[8];
-  for (int i = 0; i < 8; ++i) src[i] = n0 + i < N ? rows.row(n0 + i, rowbuf + i * K) : zeros;
+  for (int i = 0; i < 8; ++i) src[i] = n0 + i < N ? rows.row(n0 + i, nullptr) : zeros;
   for (int64_t k = 0; k < K; k += 8) {
     __m256 r[8];
     for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + k);
@@ -428,20 +429,20 @@ void panel_tokens(const float* panel, int64_t K, const float* x, int64_t M, floa
   }
 }
 
-template <class Rows>
-void run_panels(const Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out, const float* bias) {
+void run_panels(const F32Rows& rows, const float* x, int64_t M, int64_t K, int64_t N, float* out,
+                const float* bias) {
   const int64_t units = (N + 15) / 16;   // 16 output rows (two panels) per work unit
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rowbuf(8 * K), zeros(K, 0.0f), panel(16 * K);
+    std::vector<float> zeros(K, 0.0f), panel(16 * K);
     // Token blocks of kTokenBlock, so that a long prefill chunk's activations stay in L2 while every unit
     // of this thread passes over them (the panels are built again per block).
     for (int64_t m0 = 0; m0 < M; m0 += kTokenBlock) {
       const int64_t mt = std::min(kTokenBlock, M - m0);
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t n0 = unit * 16;
-        build_panel(rows, n0, N, K, rowbuf.data(), zeros.data(), panel.data());
+        build_panel(rows, n0, N, K, zeros.data(), panel.data());
         if (N - n0 > 8) {
-          build_panel(rows, n0 + 8, N, K, rowbuf.data(), zeros.data(), panel.data() + 8 * K);
+          build_panel(rows, n0 + 8, N, K, zeros.data(), panel.data() + 8 * K);
           panel_tokens<2>(panel.data(), K, x + m0 * K, mt, out + m0 * N, N, n0, bias);
         } else {
           panel_tokens<1>(panel.data(), K, x + m0 * K, mt, out + m0 * N, N, n0, bias);
@@ -529,6 +530,12 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 inline bool is_cache_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
+
+// ATen's dispatch over the cache types above: the body sees the element type as scalar_t.
+#define PAGEDSERVE_CACHE_TYPE_CASES(...)       \
+  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)    \
+  AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)     \
+  AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)
 
 // Sums of 4 vectors as one 4-float vector: [hsum(a0), hsum(a1), hsum(a2), hsum(a3)].
 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -655,11 +662,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   "block id out of range for sequence ", s);
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const auto run = [&](auto* cache_type) {
-    using C = std::remove_pointer_t<decltype(cache_type)>;
-    const DecodeArgs<C> args{q.data_ptr<float>(), static_cast<const C*>(k_cache.data_ptr()),
-                             static_cast<const C*>(v_cache.data_ptr()), tables, lens, out.data_ptr<float>(), H, Hkv,
-                             D, block_size, max_blocks, static_cast<float>(scale)};
+  AT_DISPATCH_SWITCH(k_cache.scalar_type(), "paged_decode_attention", PAGEDSERVE_CACHE_TYPE_CASES([&] {
+    const DecodeArgs<scalar_t> args{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                    tables, lens, out.data_ptr<float>(), H, Hkv, D, block_size, max_blocks,
+                                    static_cast<float>(scale)};
     at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t item = begin; item < end; ++item) {
@@ -668,17 +674,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         else decode_head<0>(args, item / H, item % H, scores);
       }
     });
-  };
-  if (k_cache.scalar_type() == at::kHalf) run(static_cast<at::Half*>(nullptr));
-  else if (k_cache.scalar_type() == at::kBFloat16) run(static_cast<at::BFloat16*>(nullptr));
-  else run(static_cast<float*>(nullptr));
+  }));
   return out;
 }
 
 
-// KV write (reshape_and_cache): rows t of key / value [T, Hkv, D] (rows may be strided, each row's Hkv * D floats
-// contiguous) copied to slot slot_mapping[t] of k_cache / v_cache [blocks, block_size, Hkv, D]; slots < 0 (padding)
-// skipped. One call per layer instead of a mask, a check and two index_copy_ calls.
 // One float32 row of n (a multiple of 8) into the cache's type: float16 rounds to nearest even (F16C), bfloat16
 // likewise (NaN stays a quiet NaN), as torch's .to() does.
 inline void store_row(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
@@ -700,6 +700,9 @@ inline void store_row(const float* src, int64_t n, at::BFloat16* dst) {
   }
 }
 
+// KV write (reshape_and_cache): rows t of key / value [T, Hkv, D] (rows may be strided, each row's Hkv * D floats
+// contiguous) copied to slot slot_mapping[t] of k_cache / v_cache [blocks, block_size, Hkv, D] (rounded to the
+// cache's type); slots < 0 (padding) skipped. One call per layer instead of a mask, a check and two index_copy_ calls.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == at::kFloat &&
@@ -725,18 +728,14 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at:
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " out of range [0, ", num_slots, ")");
   const float *kp = key.data_ptr<float>(), *vp = value.data_ptr<float>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
-  const auto run = [&](auto* cache_type) {
-    using C = std::remove_pointer_t<decltype(cache_type)>;
-    C *kc = static_cast<C*>(k_cache.data_ptr()), *vc = static_cast<C*>(v_cache.data_ptr());
+  AT_DISPATCH_SWITCH(k_cache.scalar_type(), "reshape_and_cache", PAGEDSERVE_CACHE_TYPE_CASES([&] {
+    scalar_t *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
     for (int64_t t = 0; t < T; ++t) {
       if (slots[t] < 0) continue;
       store_row(kp + t * ks, row, kc + slots[t] * row);
       store_row(vp + t * vs, row, vc + slots[t] * row);
     }
-  };
-  if (k_cache.scalar_type() == at::kHalf) run(static_cast<at::Half*>(nullptr));
-  else if (k_cache.scalar_type() == at::kBFloat16) run(static_cast<at::BFloat16*>(nullptr));
-  else run(static_cast<float*>(nullptr));
+  }));
 }
 
 // ---- Elementwise layers (float32): the model's RMSNorm (+ residual add), rotary embedding and SwiGLU, each one pass
