@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/quant.py [--quantization auto] [--llamacpp-python .venv-llamacpp/bin/python]
 
-On the embedded SmolLM2-135M-Instruct Q4_1 GGUF, greedy, EOS ignored, every system with --threads intra-op threads,
-one system at a time (each in its own process, stopped before the next starts):
+On the embedded SmolLM2-135M-Instruct Q4_1 GGUF, greedy, EOS ignored, every system with --threads intra-op threads
+in its own process; ours and llama.cpp are loaded together and take turns (never run at once), HF runs after both
+are stopped:
 - `ours`: `pagedserve serve --quantization Q --dtype float32`: one stream (--max-new-tokens, median of --repeats
   runs; TTFT, TPOT), then --streams concurrent chat streams of --stream-tokens each (output tokens/s, prefill
   included).

@@ -37,7 +37,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) ->
         return model_dtype
     dtype = getattr(torch, name)
     if dtype != model_dtype and device.type != "cpu":
-        raise ValueError(f"kv_cache_dtype: {name} differs from the model dtype {str(model_dtype)[6:]}; a cache "
+        raise ValueError(f"kv_cache_dtype: {name} differs from the model dtype {str(model_dtype).removeprefix('torch.')}; a cache "
                          f"type of its own is supported on CPU only (use auto on {device.type})")
     return dtype
 
