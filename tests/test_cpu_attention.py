@@ -10,6 +10,7 @@ from pagedserve.attention import select_attention_backend
 from pagedserve.attention.cpu import CpuAttentionBackend, cpu_decode_kernel_available
 from pagedserve.attention.torch_ref import TorchAttentionBackend
 from paged_batch import make_meta, random_qkv
+from support import run_to_completion
 
 pytestmark = pytest.mark.skipif(not cpu_decode_kernel_available(), reason="CPU kernels unavailable")
 
@@ -120,11 +121,8 @@ def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
     for i, ids in enumerate(prompts):
         engine.add_request(f"p{i}", ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    out = {f"p{i}": [] for i in range(len(prompts))}
-    while engine.scheduler.has_unfinished():
-        for d in engine.step():
-            out[d.request_id].extend(d.token_ids)
-    return [out[f"p{i}"] for i in range(len(prompts))]
+    out = run_to_completion(engine)
+    return [out[f"p{i}"][0][0] for i in range(len(prompts))]
 
 
 def test_float16_kv_cache_engine(llm_parts):
