@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from pagedserve import cli
-from pagedserve.config import EngineConfig, ServerConfig, environment_settings
+from pagedserve.config import EngineConfig, ServerConfig
+from pagedserve.envs import pagedserve_settings
 from pagedserve.config_flags import env_value, field_docs, flag_specs
 
 SPECS = flag_specs(ServerConfig, EngineConfig)
@@ -116,7 +117,7 @@ def test_undocumented_field_is_refused():
 
 
 def test_environment_settings_reads_only_the_prefix():
-    assert environment_settings({"PAGEDSERVE_PORT": "1", "PORT": "2", "PAGEDSERVE_": "3"}) == {"port": "1"}
+    assert pagedserve_settings({"PAGEDSERVE_PORT": "1", "PORT": "2", "PAGEDSERVE_": "3"}) == {"port": "1"}
 
 
 def test_out_of_range_config_is_rejected():

@@ -14,11 +14,10 @@ import signal
 import sys
 from collections.abc import Mapping
 
-from .config import ENV_PREFIX, EngineConfig, ServerConfig, environment_settings
+from .config import EngineConfig, ServerConfig
 from .config_flags import add_flags, build_config, environment_defaults, flag_specs
+from .envs import ENV_PREFIX, pagedserve_settings
 
-# PAGEDSERVE_* variables that belong to other programs (the client CLI) and are not serve settings.
-FOREIGN_ENV = {"target"}
 SPECS = flag_specs(ServerConfig, EngineConfig)
 
 
@@ -33,10 +32,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                               f"switches take true/false; --no-enable-prefix-caching is "
                               f"{ENV_PREFIX}ENABLE_PREFIX_CACHING=false); the command line wins.")
     add_flags(s, SPECS)
-    defaults, unknown, errors = environment_defaults(SPECS, environment_settings(environ))
+    defaults, unknown, errors = environment_defaults(SPECS, pagedserve_settings(environ))
     for name in unknown:
-        if name[len(ENV_PREFIX):].lower() not in FOREIGN_ENV:
-            print(f"pagedserve: warning: ignoring unknown environment variable {name}", file=sys.stderr)
+        print(f"pagedserve: warning: ignoring unknown environment variable {name}", file=sys.stderr)
     for name, message in errors.items():
         s.error(f"{name}: {message}")
     s.set_defaults(**defaults)

@@ -8,8 +8,6 @@ A field's ``metadata["choices"]`` lists its allowed values.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -332,15 +330,3 @@ class ServerConfig:
             ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes),
             ("grpc.http2.max_pings_without_data", self.http2_max_pings_without_data),
         ]
-
-
-ENV_PREFIX = "PAGEDSERVE_"
-
-
-def environment_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The ``PAGEDSERVE_*`` environment variables, keyed by the lower-cased rest of the name
-    (``PAGEDSERVE_MAX_NUM_SEQS=8`` -> ``{"max_num_seqs": "8"}``). The only place the server reads the environment;
-    :mod:`pagedserve.cli` turns the values into flag defaults.
-    """
-    environ = os.environ if environ is None else environ
-    return {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k != ENV_PREFIX}

@@ -13,7 +13,7 @@ import re
 import typing
 from collections.abc import Mapping
 
-from .config import ENV_PREFIX
+from .envs import ENV_PREFIX
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}

@@ -7,9 +7,9 @@ instead of spawning workers; every other rank runs :func:`.worker.worker_main` a
 """
 from __future__ import annotations
 
-import os
 import sys
 
+from .. import envs
 from . import driver
 from .worker import WorkerSpec, worker_main
 
@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..cli import main as cli_main
 
     argv = sys.argv[1:] if argv is None else argv
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    place = envs.torchrun_rank()
+    rank, world = place.rank, place.world_size
     _, engine_config = configs_from_args(build_parser().parse_args(argv))
     if engine_config.tensor_parallel_size != world:
         print(f"pagedserve: error: tensor_parallel_size {engine_config.tensor_parallel_size} != torchrun's world "
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         driver.EXTERNAL_INIT_METHOD = "env://"   # the other ranks are torchrun's, not spawned here
         return cli_main(argv)
-    worker_main(WorkerSpec(engine_config, rank, world, "env://", int(os.environ.get("LOCAL_RANK", "0"))))
+    worker_main(WorkerSpec(engine_config, rank, world, "env://", place.local_rank))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 The C++ source ships as package data. On first use it is compiled with the system C++ compiler against the installed
 torch's headers and libraries (about 20 s on 2 cores) into a shared library cached under
-``~/.cache/pagedserve/cpu_kernels/`` (keyed by a hash of the source, the flags and the torch version; written to a
+``~/.cache/pagedserve/cpu_kernels/`` (``$PAGEDSERVE_KERNEL_CACHE_DIR/cpu_kernels`` when set) (keyed by a hash of the source, the flags and the torch version; written to a
 temporary name and renamed, so concurrent builds are safe), then loaded with ``torch.ops.load_library``. The ops
 (``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8 / paged_decode_attention``, see the source's header
 for the formats) get fake
@@ -28,11 +28,12 @@ from pathlib import Path
 import structlog
 import torch
 
+from .. import envs
+
 log = structlog.get_logger(__name__)
 
 SOURCE = "cpu_kernels.cpp"
 CXX_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-w")
-CACHE_DIR = Path.home() / ".cache" / "pagedserve" / "cpu_kernels"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -43,7 +44,7 @@ def source_text() -> str:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++"):
+    for name in (envs.cxx_compiler(), "c++", "g++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -57,12 +58,14 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
             "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}", "-o", str(out)]
 
 
-def build(cache_dir: Path = CACHE_DIR) -> Path:
-    """Compile the library (or find it in ``cache_dir``) and return its path.
+def build(cache_dir: Path | None = None) -> Path:
+    """Compile the library (or find it in ``cache_dir``, default ``<envs.kernel_cache_dir()>/cpu_kernels``) and return
+    its path.
 
     Raises:
         RuntimeError: no C++ compiler, or the compiler's error output when the build fails.
     """
+    cache_dir = envs.kernel_cache_dir() / "cpu_kernels" if cache_dir is None else cache_dir
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++ or g++)")
