@@ -1,11 +1,33 @@
-"""Test helpers shared by several test modules (imported as ``support``; conftest.py names clash across folders)."""
+"""Test helpers shared by several test modules in every folder (imported as ``support``: pyproject's pytest
+``pythonpath`` puts tests/ on sys.path; conftest.py names clash across folders)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+
+#: The repository's root (tests/ is one level below it).
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: Chat prompts the generation tests send (through the model's chat template, :func:`chat_ids`).
+CHAT_PROMPTS = [
+    "Write a haiku about the sea.",
+    "What is the capital of France? Answer in one sentence.",
+    "List three prime numbers greater than 20.",
+    "Explain what a hash table is to a child.",
+    "Translate 'good morning, my friend' into French and Spanish.",
+    "Write a short Python function that reverses a string.",
+    "Give me two tips for sleeping better.",
+    "What is 17 times 23? Show the steps.",
+]
 
 
 def free_port() -> int:
@@ -126,3 +148,53 @@ def prefill_hidden(model, ids: list[int]):
         query_lens_cpu=[T], context_lens_cpu=[T])
     with torch.inference_mode():
         return model(torch.tensor(ids), torch.arange(T), kv, meta, TorchAttentionBackend())
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn through ``tokenizer``'s chat template, generation prompt added."""
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def wait_all_blocks_free(client, timeout_s: float = 10.0):
+    """Poll the server's ModelInfo through ``client`` until every KV block is free and no request runs or waits;
+    returns that KV-cache message (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kv = client.model_info().kv_cache
+        if kv.num_blocks_free == kv.num_blocks_total and kv.num_requests_running == 0 \
+                and kv.num_requests_waiting == 0:
+            return kv
+        assert time.monotonic() < deadline, f"blocks not freed: {kv}"
+        time.sleep(0.05)
+
+
+class ServerProcess:
+    """`python -m pagedserve.cli serve` on a free port, JSON logs collected by a reader thread."""
+
+    def __init__(self, *extra: str, http_port: int = 0):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", "--http-port", str(http_port),
+               "--embedding-model", "none",
+               "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--log-json", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_event(self, event: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, "server exited:\n" + "".join(self.log[-30:])
+                continue
+            if line.startswith("{") and json.loads(line).get("event") == event:
+                return json.loads(line)
+        raise AssertionError(f"no {event!r} log line in {timeout_s}s:\n" + "".join(self.log[-30:]))

@@ -1,0 +1,1 @@
+"""The repository as shipped: the wheel and its installed package, Dockerfile / proto / Kubernetes lint."""

@@ -1,0 +1,1 @@
+"""Tests of pagedserve.attention: the torch reference backend."""

@@ -1,0 +1,1 @@
+"""Tests of pagedserve.core: the scheduler and the KV-cache block accounting."""

@@ -1,0 +1,1 @@
+"""Tests of pagedserve.embedding: the cross-call batcher and its micro-batch policy."""

@@ -1,0 +1,1 @@
+"""Tests of pagedserve.engine: the engine loop on random-weight models."""

@@ -1,0 +1,1 @@
+"""Tests of pagedserve.models: layers (tensor-parallel shards against the unsplit layer)."""
