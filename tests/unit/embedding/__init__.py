@@ -1,1 +1,0 @@
-"""Tests of pagedserve.embedding: the cross-call batcher and its micro-batch policy."""
