@@ -47,6 +47,12 @@ def word_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1")
 
 
+#: The tiny Llama most engine tests run on (conftest's ``tiny_llama``): 2 layers, hidden 64, 4 query / 2 KV heads of
+#: 16, ffn 128, vocab 256.
+TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+
+
 def random_llama(device, **shape):
     """A Llama of ``shape`` (SMOLLM_SHAPE keys) with random weights: N(0, 0.02) matrices, unit norms, untied head,
     so attention, not the token embedding, drives the next token. Returns (model, config, tokenizer)."""

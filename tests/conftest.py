@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded models' paths, an in-process gRPC server on port 0, HF oracles."""
+"""Shared fixtures: the embedded models' paths, an in-process gRPC server on port 0, HF oracles, and the tiny
+random-weight Llama (built once per shape in the session) that engine tests run on without an embedded model."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,34 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 from support import ServerThread, free_port  # noqa: E402,F401  (tests/support.py)
+
+
+@pytest.fixture(scope="session")
+def random_llama_model():
+    """``random_llama_model(**overrides) -> (model, config, tokenizer)``: :func:`backend_cases.random_llama` on the
+    CPU, shape :data:`backend_cases.TINY_LLAMA` with ``overrides`` (e.g. ``vocab_size=64``), built once per shape in
+    the session (the same seed, so the same weights, whichever test asks first). Sharing is safe: the model is in
+    eval mode without gradients, and each engine built on it allocates its own KV cache."""
+    import torch
+
+    import backend_cases as bc
+
+    built: dict[tuple, tuple] = {}
+
+    def get(**overrides):
+        shape = {**bc.TINY_LLAMA, **overrides}
+        key = tuple(sorted(shape.items()))
+        if key not in built:
+            built[key] = bc.random_llama(torch.device("cpu"), **shape)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(random_llama_model):
+    """The tiny random-weight Llama (:data:`backend_cases.TINY_LLAMA`): ``(model, config, word tokenizer)``."""
+    return random_llama_model()
 
 
 @pytest.fixture(scope="session")

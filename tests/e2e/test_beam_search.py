@@ -97,15 +97,12 @@ def test_bad_beam_parameters_name_the_field(make_engine):
 
 
 # ---- a small random-weight Llama: preemption, abort, memory --------------------------------------------------------
-SMALL = dict(num_hidden_layers=2, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
-def small_llama():
-    import backend_cases as bc
-
-    return bc.random_llama(torch.device("cpu"), **SMALL)
+def small_llama(random_llama_model):
+    """The shared tiny Llama with a 512-token vocabulary."""
+    return random_llama_model(vocab_size=512)
 
 
 def small_engine(small_llama, **kwargs):

@@ -11,35 +11,27 @@ import random
 import pytest
 import torch
 
-from backend_cases import random_llama
 from pagedserve.attention.cpu import cpu_decode_kernel_available
 from paged_batch import make_caches, make_meta
 
 pytestmark = pytest.mark.e2e
 
-TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16)
 TINY_SIZES = (4, 16, 64)
 
 
-def tiny_engine(tiny, enforce_eager: bool, attention_backend: str = "torch", sizes=TINY_SIZES):
+def tiny_engine(tiny_llama, enforce_eager: bool, attention_backend: str = "torch", sizes=TINY_SIZES):
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
 
-    model, cfg, tokenizer = tiny
+    model, cfg, tokenizer = tiny_llama
     config = EngineConfig(device="cpu", dtype="float32", attention_backend=attention_backend, num_kv_blocks=1200,
                           max_model_len=512, max_num_batched_tokens=64, max_num_seqs=64, enforce_eager=enforce_eager)
     return build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg, compile_sizes=sizes)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return random_llama("cpu", **TINY_SHAPE)
-
-
-@pytest.fixture(scope="module")
-def tiny_compiled(tiny):
-    return tiny_engine(tiny, enforce_eager=False)
+def tiny_compiled(tiny_llama):
+    return tiny_engine(tiny_llama, enforce_eager=False)
 
 
 def dynamo_counts() -> dict:
@@ -61,13 +53,13 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: list[int]) -> dict[
     return out
 
 
-def test_info_and_policy(tiny, tiny_compiled):
+def test_info_and_policy(tiny_llama, tiny_compiled):
     from pagedserve.attention.torch_ref import TorchAttentionBackend
     from pagedserve.engine.compiled import COMPILE_BY_DEFAULT_ON_CPU, use_compiled
 
     engine, info = tiny_compiled
     assert info.compiled and info.compile_s > 0 and engine.runner.compiled.sizes == list(TINY_SIZES)
-    _, eager_info = tiny_engine(tiny, enforce_eager=True)
+    _, eager_info = tiny_engine(tiny_llama, enforce_eager=True)
     assert not eager_info.compiled and eager_info.compile_s is None
     backend = TorchAttentionBackend()
     assert use_compiled(True, backend, "cpu") is False
@@ -80,10 +72,10 @@ def test_info_and_policy(tiny, tiny_compiled):
 
 
 @torch.inference_mode()
-def test_padded_step_matches_eager_and_writes_only_its_slots(tiny, tiny_compiled):
+def test_padded_step_matches_eager_and_writes_only_its_slots(tiny_llama, tiny_compiled):
     """A mixed step of 10 tokens (3 decodes, a 7-token chunk after a cached prefix) runs at padded size 16: hidden
     states and logits within 1e-4 of eager, the same K/V rows written, and no other cache row touched."""
-    model = tiny[0]
+    model = tiny_llama[0]
     compiled = tiny_compiled[0].runner.compiled
     ctx, q_lens, bs, num_blocks = [9, 30, 17, 40], [1, 1, 1, 7], 16, 24
     meta = make_meta(ctx, q_lens, bs, num_blocks, "cpu", seed=3)
@@ -113,7 +105,7 @@ def test_padded_step_matches_eager_and_writes_only_its_slots(tiny, tiny_compiled
             assert torch.equal(flat[untouched], old_flat[untouched])  # padding (slot -1) wrote nothing
 
 
-def test_mixed_workload_equals_eager_without_recompiling(tiny, tiny_compiled):
+def test_mixed_workload_equals_eager_without_recompiling(tiny_llama, tiny_compiled):
     """64 requests (prompts 5-150 tokens, chunked in a 64-token budget; outputs 2-40 tokens, so decodes of 1..64
     requests): the compiled engine's greedy tokens equal the eager engine's, every step ran a compiled graph, and
     dynamo compiled nothing after warm-up."""
@@ -127,23 +119,23 @@ def test_mixed_workload_equals_eager_without_recompiling(tiny, tiny_compiled):
     ours = run_greedy(engine, prompts, max_tokens)
     assert dynamo_counts() == counts
     assert compiled.num_eager_steps == 0 and set(compiled.steps_by_size) == set(TINY_SIZES)
-    eager_engine, _ = tiny_engine(tiny, enforce_eager=True)
+    eager_engine, _ = tiny_engine(tiny_llama, enforce_eager=True)
     assert ours == run_greedy(eager_engine, prompts, max_tokens)
 
 
 @pytest.mark.skipif(not cpu_decode_kernel_available(), reason="CPU kernels unavailable")
-def test_cpu_backend_compiles_with_its_kernels_and_equals_eager(tiny):
+def test_cpu_backend_compiles_with_its_kernels_and_equals_eager(tiny_llama):
     """The CPU backend (C++ decode attention and elementwise kernels, traced as custom ops) compiled for 16 tokens:
     decode batches padded with slot -1 rows give the eager CPU engine's greedy tokens, without recompiling."""
     rng = random.Random(2)
     prompts = [[rng.randrange(2, 256) for _ in range(rng.randint(5, 60))] for _ in range(11)]
     max_tokens = [rng.randint(2, 12) for _ in range(11)]
-    engine, info = tiny_engine(tiny, enforce_eager=False, attention_backend="cpu", sizes=(16,))
+    engine, info = tiny_engine(tiny_llama, enforce_eager=False, attention_backend="cpu", sizes=(16,))
     assert info.compiled and engine.runner.compiled.backend.name == "cpu"
     counts = dynamo_counts()
     ours = run_greedy(engine, prompts, max_tokens)
     assert dynamo_counts() == counts and engine.runner.compiled.steps_by_size[16] > 0
-    eager_engine, _ = tiny_engine(tiny, enforce_eager=True, attention_backend="cpu")
+    eager_engine, _ = tiny_engine(tiny_llama, enforce_eager=True, attention_backend="cpu")
     assert ours == run_greedy(eager_engine, prompts, max_tokens)
 
 

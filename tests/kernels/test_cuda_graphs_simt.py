@@ -103,8 +103,9 @@ def test_policy_on_cuda_and_cpu():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return bc.random_llama(CPU, **TINY_SHAPE)
+def tiny(random_llama_model):
+    """The shared random Llama builder at SmolLM2's head shape (head_dim 64, which the CUDA kernels need)."""
+    return random_llama_model(**TINY_SHAPE)
 
 
 def graph_engine(sim, tiny, sizes=(1, 2, 4, 8), **overrides):

@@ -11,7 +11,6 @@ import torch
 from hypothesis import given, settings, strategies as st
 from scipy.stats import chisquare
 
-from backend_cases import random_llama
 from pagedserve.config import EngineConfig, SpeculativeConfig
 from pagedserve.engine.kv_cache.manager import KVCacheManager
 from pagedserve.engine.request import Request
@@ -22,8 +21,6 @@ from pagedserve.engine.spec_decode import NgramProposer
 from support import run_to_completion
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": null}'
-SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16)
 
 
 # ---- proposer ---------------------------------------------------------------------------------------------------
@@ -126,8 +123,9 @@ def test_verify_greedy_accepts_while_the_draft_is_the_argmax_and_seeded_equals_p
 
 # ---- engine level, small random-weight Llama ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny():
-    return random_llama("cpu", **SHAPE)
+def tiny(random_llama_model):
+    """The shared tiny Llama with a 64-token vocabulary: random prompts repeat, so n-gram drafts get accepted."""
+    return random_llama_model(vocab_size=64)
 
 
 def _engine(tiny, spec, num_kv_blocks=96, max_model_len=256, **kw):
