@@ -33,7 +33,7 @@ ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength":
                                          "kind": {"enum": ["a", "b", "c"]}},
         "required": ["name", "qty", "kind"], "additionalProperties": False}
 LONG_SCHEMA = {"type": "array", "items": ITEM, "minItems": 12}
-COMPILE_CASES = {   # the tests' constraints (tests/test_structured_output.py)
+COMPILE_CASES = {   # the tests' constraints (tests/e2e/test_structured_output.py)
     "json_schema nested": {"json_schema": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 10},
         "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},

@@ -5,7 +5,7 @@ Usage: python scripts/gen_protos.py [--out DIR]   (default: the client package)
 grpcio-tools writes absolute imports (``from pagedserve.v1 import inference_pb2``) that would resolve to the
 server package ``pagedserve``; they are rewritten to relative imports so the stubs live inside
 ``pagedserve_client.v1``. Typed stubs (``inference_pb2.pyi``, ``inference_pb2_grpc.pyi``) come from mypy-protobuf's
-protoc plugins (dev extra). tests/test_protos.py regenerates into a temp dir and fails on any drift.
+protoc plugins (dev extra). tests/unit/test_protos.py regenerates into a temp dir and fails on any drift.
 """
 from __future__ import annotations
 

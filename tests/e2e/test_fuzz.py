@@ -7,7 +7,7 @@ INTERNAL or UNKNOWN, never a hang; afterwards the server is SERVING and every KV
 Cheap by design (about 2,000 cases in a minute on 2 CPU cores): accepted Generate calls ask for a few tokens (or
 are cancelled by the test after a few messages) and finish in the background, many at once, so the engine batches
 them; rejections arrive within milliseconds and are checked (and shrunk) at once. A longer run:
-``FUZZ_SCALE=10 .venv/bin/python -m pytest tests/test_fuzz.py`` (10x the examples, random instead of fixed draws).
+``FUZZ_SCALE=10 .venv/bin/python -m pytest tests/e2e/test_fuzz.py`` (10x the examples, random instead of fixed draws).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """CUDA graphs of decode steps, on CPU: the fixed-grid decode launch (geometry from the batch size and the context
 capacity only, empty partitions, padded rows) against the torch reference on the host emulator, and the graph
 runner (engine/cuda_graphs.py) with :class:`graph_cases.HostReplay` standing in for the graph: static buffers,
-padding, eager fallback, and greedy tokens equal to eager ones. Real graphs: tests/gpu/test_cuda_graphs_gpu.py."""
+padding, eager fallback, and greedy tokens equal to eager ones. Real graphs:
+tests/kernels/gpu/test_cuda_graphs_gpu.py."""
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,5 @@
 """CUDA kernels without a GPU: NVRTC compiles for sm_80 / sm_90 with no register spills, and launch geometry.
-(Argument checks and launch signatures: tests/test_kernel_checks.py.)"""
+(Argument checks and launch signatures: tests/kernels/test_kernel_checks.py.)"""
 from __future__ import annotations
 
 import functools
@@ -142,7 +142,7 @@ def test_row_geometry_and_vectors():
 
 
 def test_sources_found_in_the_source_tree_and_from_a_folder(tmp_path):
-    """From the source tree the repository's cuda/ (an installed package's copy: tests/test_packaging.py); an
+    """From the source tree the repository's cuda/ (an installed package's copy: tests/repo/test_packaging.py); an
     explicit folder (edited copies) wins for that call only."""
     repo_cuda = REPO_ROOT / "cuda"
     assert kernels.find_source_dir() == repo_cuda

@@ -1,7 +1,7 @@
 // Probe kernels for the host emulator's own tests: each exercises one emulated primitive through the same
-// pagedserve:: wrappers the kernels use (cuda/common.cuh is prepended). tests/test_simt_emulator.py runs them on
-// the emulator against the PTX ISA's documented layouts; tests/gpu/test_simt_probes_gpu.py runs them on a GPU and
-// on the emulator and compares, which checks the emulator against the hardware.
+// pagedserve:: wrappers the kernels use (cuda/common.cuh is prepended). tests/kernels/test_simt_emulator.py runs
+// them on the emulator against the PTX ISA's documented layouts; tests/kernels/gpu/test_simt_probes_gpu.py runs them
+// on a GPU and on the emulator and compares, which checks the emulator against the hardware.
 
 // One warp: D[16][8] = A[16][16] B[16][8] + C[16][8] with a single mma.m16n8k16, fragments loaded straight from
 // global memory per the PTX ISA layouts. a: row-major [16][16]; b: [8][16] (B transposed, i.e. B column-major);
