@@ -12,7 +12,8 @@ library is written to a temporary name and renamed, so concurrent builds are saf
 The ``.cpp`` files are compiled as one translation unit (a generated file that includes each in name order): on this
 2-core machine a cold build takes about 11-13 s that way against 20-44 s for one object per file, since every file
 parses torch's headers (measured when the single ``cpu_kernels.cpp`` was split; it took 10.5-11 s). Each ``.cpp``
-still compiles on its own (it includes what it uses), and the files' private helpers have distinct names.
+includes what it uses (each compiled on its own when that was measured); since the unit is shared, the names in the
+files' anonymous namespaces must stay distinct.
 
 The ops (``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8 / paged_decode_attention /
 reshape_and_cache / rms_norm / rotary_embedding / silu_and_mul``, formats at their definitions) get fake (meta)

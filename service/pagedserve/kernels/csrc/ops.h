@@ -1,6 +1,7 @@
 // pagedserve's CPU kernels (x86-64 AVX2 + FMA + F16C), registered as torch ops pagedserve_cpu::* in
-// torch_bindings.cpp and built by kernels/cpu_build.py, which compiles every .cpp in this folder. One file per
-// concern, after vLLM's csrc/cpu/:
+// torch_bindings.cpp and built by kernels/cpu_build.py, which compiles every .cpp in this folder as one translation
+// unit (so names in the files' anonymous namespaces must stay distinct) and hashes every file here into its cache
+// key. One file per concern, after vLLM's csrc/cpu/:
 //   cpu_types.hpp      vector helpers (horizontal sums, exp, dot)
 //   cache_types.hpp    the KV cache's element types (float32 / float16 / bfloat16): dispatch, load, store
 //   linear.hpp         formats and paths of the linears, and the register tile they share
