@@ -9,11 +9,11 @@ libraries into one shared library, cached under ``<envs.kernel_cache_dir()>/cpu_
 included, the flags, the compiler's path and the torch and Python versions, so editing any of them rebuilds; the
 library is written to a temporary name and renamed, so concurrent builds are safe.
 
-The ``.cpp`` files are compiled as one translation unit (a generated file that includes each in name order): on this
-2-core machine a cold build takes about 11-13 s that way against 20-44 s for one object per file, since every file
-parses torch's headers (measured when the single ``cpu_kernels.cpp`` was split; it took 10.5-11 s). Each ``.cpp``
-includes what it uses (each compiled on its own when that was measured); since the unit is shared, the names in the
-files' anonymous namespaces must stay distinct.
+The ``.cpp`` files are compiled as one translation unit (a generated file that includes each in name order), since
+every file parses torch's headers: measured back to back on this project's shared 2-core machine when the single
+``cpu_kernels.cpp`` was split, a cold build took 11.3-12.8 s that way, 20-44 s as one object per file compiled two at
+a time, and 10.5-11.0 s for the old single file. Each ``.cpp`` includes what it uses (each compiled on its own when
+that was measured); since the unit is shared, the names in the files' anonymous namespaces must stay distinct.
 
 The ops (``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8 / paged_decode_attention /
 reshape_and_cache / rms_norm / rotary_embedding / silu_and_mul``, formats at their definitions) get fake (meta)
