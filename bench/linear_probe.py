@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "service"))
 
-from pagedserve.kernels.cpu_build import cpu_linear_ops  # noqa: E402
+from pagedserve.kernels.cpu_build import cpu_kernel_ops  # noqa: E402
 from pagedserve.models.cpu_linear import StreamingInt4Linear, StreamingInt8Linear  # noqa: E402
 from pagedserve.models.quant import (Int4Linear, Int8BlockWeight, Int8Linear, quantize_int4,  # noqa: E402
                                      quantize_int8_per_channel)
@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if cpu_linear_ops() is None:
+    if cpu_kernel_ops() is None:
         sys.exit("pagedserve's CPU kernels are unavailable on this machine (see the log line above)")
     copy_bw = copy_bandwidth(args.repeats)
     print(f"threads {args.threads}, torch {torch.__version__}, CPU capability "

@@ -80,7 +80,7 @@ class ElementwiseOps:
     it (:attr:`pagedserve.attention.base.AttentionBackend.elementwise`), so the model code never names a device:
     :data:`TORCH_OPS` (the references above, any device), :data:`pagedserve.kernels.CUDA_OPS` (the kernels of
     cuda/elementwise.cu) or :data:`pagedserve.kernels.cpu_elementwise.CPU_OPS` (the C++ kernels of
-    kernels/csrc/cpu_kernels.cpp). ``traceable``: whether dynamo can trace them (torch ops or registered custom
+    kernels/csrc/elementwise.cpp). ``traceable``: whether dynamo can trace them (torch ops or registered custom
     ops with fake implementations), so that the compiled forward may run them."""
 
     name: str

@@ -61,8 +61,8 @@ def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero():
     try:
         port = server.wait_event("server_listening", 60)["port"]
         ready = server.wait_event("ready", 600)
-        from pagedserve.kernels.cpu_build import cpu_linear_ops
-        assert ready["linear_kernels"] == ("pagedserve-cpu" if cpu_linear_ops() is not None else "torch")
+        from pagedserve.kernels.cpu_build import cpu_kernel_ops
+        assert ready["linear_kernels"] == ("pagedserve-cpu" if cpu_kernel_ops() is not None else "torch")
         assert ready["speculative"] is None and ready["quantization"].startswith("gguf")
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")  # no retry policy: every refusal is seen as is
         stub, health = pb_grpc.InferenceServiceStub(channel), health_pb2_grpc.HealthStub(channel)

@@ -1,4 +1,4 @@
-"""pagedserve's CPU linear kernels (kernels/csrc/cpu_kernels.cpp, models/cpu_linear.py) against float64 references:
+"""pagedserve's CPU linear kernels (kernels/csrc/linear_*.cpp, models/cpu_linear.py) against float64 references:
 every token count of the small-M and blocked paths, N not a multiple of the row tile, bias, bad arguments, and the
 layers built at load (float32 swap, tied LM head, GGUF Q4_1 and Q8_0 as stored)."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu_build import cpu_linear_ops, unavailable_reason
+from pagedserve.kernels.cpu_build import cpu_kernel_ops, unavailable_reason
 from pagedserve.models.cpu_linear import (StreamingInt4Linear, StreamingInt8Linear, StreamingLinear,
                                           cpu_kernels_enabled, use_cpu_kernels)
 from pagedserve.models.quant import Int4Weight, Int8BlockWeight, quantize_int4, quantize_int8_per_channel
 
-needs_kernels = pytest.mark.skipif(cpu_linear_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(cpu_kernel_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
 
 # fused (<= 4); float32 register-tile and panel paths (tails of 6); quantized row tiles (tails of 3); > 96 (token blocks)
 TOKEN_COUNTS = [1, 2, 3, 4, 5, 9, 33, 70, 200]
@@ -148,4 +148,4 @@ def test_kernels_build_where_they_should():
             torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or \
             not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("no AVX2 x86-64 CPU or no C++ compiler here")
-    assert cpu_linear_ops() is not None, unavailable_reason()
+    assert cpu_kernel_ops() is not None, unavailable_reason()

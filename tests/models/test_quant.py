@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from pagedserve.kernels.cpu_build import cpu_linear_ops
+from pagedserve.kernels.cpu_build import cpu_kernel_ops
 from pagedserve.models.cpu_linear import StreamingInt4Linear, StreamingInt8Linear
 from pagedserve.models.quant import (Int4Linear, Int4Weight, Int8BlockWeight, Int8Linear, quantize_int4,
                                      quantize_int8_per_channel)
@@ -234,7 +234,7 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels)
     model = build_model(src, cfg, torch.float32, "cpu", quantization=scheme, quant_group_size=group,
                         linear_kernels=kernels)
     own = model.linear_kernels == "pagedserve-cpu"
-    assert own == (kernels == "auto" and cpu_linear_ops() is not None)
+    assert own == (kernels == "auto" and cpu_kernel_ops() is not None)
     linear = {(True, "int4"): StreamingInt4Linear, (True, "int8"): StreamingInt8Linear,
               (False, "int4"): Int4Linear, (False, "int8"): Int8Linear}[own, scheme]
     assert isinstance(model.layers[0].self_attn.qkv_proj, linear)

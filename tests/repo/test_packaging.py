@@ -1,6 +1,7 @@
 """The distribution as a user gets it: a wheel built from the sources (offline: --no-build-isolation with the dev
-extra's setuptools and wheel) holds every package and the kernels' CUDA sources, and the package installed from it
-non-editably finds and NVRTC-compiles the decode kernel with no access to this repository's service/ or cuda/."""
+extra's setuptools and wheel) holds every package, the kernels' CUDA sources and the CPU kernels' C++ sources (csrc/,
+headers included), and the package installed from it non-editably finds and NVRTC-compiles the decode kernel with no
+access to this repository's service/ or cuda/."""
 from __future__ import annotations
 
 import json
@@ -62,6 +63,9 @@ def test_wheel_holds_every_package_and_the_cuda_sources(wheel_path):
     sources = sorted(p.name for p in (ROOT / "cuda").iterdir() if p.suffix in (".cu", ".cuh"))
     assert sources and all(f"pagedserve/kernels/cuda/{s}" in names for s in sources)
     assert not any(n.startswith("cuda/") for n in names)  # never a top-level `cuda` (NVIDIA's namespace)
+    csrc = ROOT / "service" / "pagedserve" / "kernels" / "csrc"
+    missing = sorted(p.name for p in csrc.iterdir() if f"pagedserve/kernels/csrc/{p.name}" not in names)
+    assert not missing, f"CPU kernel sources missing from the wheel (pyproject.toml package-data): {missing}"
 
 
 PROBE = r"""

@@ -1,7 +1,7 @@
 """CPU backend: the torch reference for prefill chunks, pagedserve's C++ paged decode-attention kernel for decodes.
 
 Decode rows read their context straight from the paged KV cache through the block table
-(``torch.ops.pagedserve_cpu.paged_decode_attention``, ``kernels/csrc/cpu_kernels.cpp``), instead of the reference's
+(``torch.ops.pagedserve_cpu.paged_decode_attention``, ``kernels/csrc/attention.cpp``), instead of the reference's
 gather of every block into a buffer followed by a masked SDPA per group, which at 32 running requests with 300-token
 contexts copies about 440 MB of K/V per step. Prefill chunks keep the reference path (torch's CPU flash kernel).
 float32 queries with a float32, float16 or bfloat16 cache (``--kv-cache-dtype``: rows rounded when written, widened
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cpu_build import cpu_linear_ops
+from ..kernels.cpu_build import cpu_kernel_ops
 from ..kernels.cpu_elementwise import CPU_OPS
 from .base import AttentionMetadata
 from .torch_ref import StepPlan, TorchAttentionBackend, paged_attention_ref
@@ -24,7 +24,7 @@ _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # what the C++ 
 
 def cpu_decode_kernel_available() -> bool:
     """Whether the C++ decode kernel loaded (AVX2 + FMA CPU and a C++ compiler; see kernels.cpu_build)."""
-    return cpu_linear_ops() is not None
+    return cpu_kernel_ops() is not None
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

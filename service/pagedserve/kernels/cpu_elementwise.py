@@ -1,4 +1,4 @@
-"""The model's elementwise layers on pagedserve's C++ CPU kernels (``kernels/csrc/cpu_kernels.cpp``).
+"""The model's elementwise layers on pagedserve's C++ CPU kernels (``kernels/csrc/elementwise.cpp``).
 
 :data:`CPU_OPS` runs with :class:`pagedserve.attention.cpu.CpuAttentionBackend`. Each function takes the arguments
 of its reference in :mod:`pagedserve.ops` and returns the same result (float32 rounding aside: one fused pass in a
@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from .cpu_build import cpu_linear_ops
+from .cpu_build import cpu_kernel_ops
 
 
 def _loaded() -> bool:
     # Under torch.compile the library is loaded already (the CPU backend, the only user that compiles, needs it),
-    # and dynamo cannot trace cpu_linear_ops()'s lock (which, once loaded, it does not take).
-    return torch.compiler.is_compiling() or cpu_linear_ops() is not None
+    # and dynamo cannot trace cpu_kernel_ops()'s lock (which, once loaded, it does not take).
+    return torch.compiler.is_compiling() or cpu_kernel_ops() is not None
 
 
 def _fits(x: torch.Tensor, multiple: int) -> bool:

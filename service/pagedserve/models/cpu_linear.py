@@ -3,7 +3,7 @@
 At decode a linear reads every weight once per step for a handful of tokens, so its speed is the speed at which the
 weights stream from memory. torch's fp32 ``F.linear`` reaches about 9 GB/s there on this project's AVX2 machine
 (a third of a plain memory read), and its int4/int8 CPU kernels are vectorized only for bfloat16 activations; the
-kernels in ``csrc/cpu_kernels.cpp`` stream float32, 4-bit and 8-bit weights with float32 activations and
+kernels in ``csrc/linear_*.cpp`` stream float32, 4-bit and 8-bit weights with float32 activations and
 accumulation (``bench/linear_probe.py`` measures each layer against a memory copy in the same run).
 
 Layers (x: ``[..., K]`` in the compute dtype; returns ``[..., N]`` in x's dtype):
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu_build import cpu_linear_ops
+from ..kernels.cpu_build import cpu_kernel_ops
 from .quant import Int4Weight, Int8BlockWeight, Int8ChannelWeight
 
 F32_MAX_TOKENS = 32   # rows through the own fp32 kernel at most; above, torch's GEMM (HF's own, so prefill logits match HF closely)
@@ -39,7 +39,7 @@ def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
     """
     if choice not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernels: unknown choice {choice!r}; one of {LINEAR_KERNELS}")
-    return choice == "auto" and torch.device(device).type == "cpu" and cpu_linear_ops() is not None
+    return choice == "auto" and torch.device(device).type == "cpu" and cpu_kernel_ops() is not None
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,7 +147,7 @@ def use_cpu_kernels(model: nn.Module) -> int:
     sharing its weight; a tied LM head (``model.lm_head`` None beside a float32 ``nn.Embedding`` ``embed_tokens``)
     becomes one over the embedding's weight (shared, not copied). Returns how many layers were built (0 when the
     kernels did not load)."""
-    if cpu_linear_ops() is None:
+    if cpu_kernel_ops() is None:
         return 0
     swapped = 0
     embed = getattr(model, "embed_tokens", None)

@@ -1,0 +1,42 @@
+// pagedserve's CPU kernels (x86-64 AVX2 + FMA + F16C), registered as torch ops pagedserve_cpu::* in
+// torch_bindings.cpp and built by kernels/cpu_build.py, which compiles every .cpp in this folder as one translation
+// unit (so names in the files' anonymous namespaces must stay distinct) and hashes every file here into its cache
+// key. One file per concern, after vLLM's csrc/cpu/:
+//   cpu_types.hpp      vector helpers (horizontal sums, exp, dot)
+//   cache_types.hpp    the KV cache's element types (float32 / float16 / bfloat16): dispatch, load, store
+//   linear.hpp         formats and paths of the linears, and the register tile they share
+//   linear_f32.cpp     linear_f32
+//   linear_quant.cpp   linear_q4, linear_q8
+//   attention.cpp      paged_decode_attention
+//   cache.cpp          reshape_and_cache (KV write)
+//   elementwise.cpp    rms_norm, rotary_embedding, silu_and_mul
+// Shapes, dtypes and the checks each op makes are documented at its definition.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace pagedserve::cpu {
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                     int64_t group_size, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
+                     const c10::optional<at::Tensor>& bias);
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                            const c10::optional<at::Tensor>& residual);
+at::Tensor rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin,
+                            bool is_neox);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+}  // namespace pagedserve::cpu

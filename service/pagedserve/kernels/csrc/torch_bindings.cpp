@@ -1,0 +1,30 @@
+// The ops' schemas (namespace pagedserve_cpu, loaded by kernels/cpu_build.py) and their CPU implementations (ops.h).
+#include <torch/library.h>
+
+#include "ops.h"
+
+using namespace pagedserve::cpu;
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
+  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("rotary_embedding(Tensor positions, Tensor x, Tensor cos_sin, bool is_neox) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) "
+        "-> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("linear_f32", &linear_f32);
+  m.impl("linear_q4", &linear_q4);
+  m.impl("linear_q8", &linear_q8);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+}
