@@ -2,11 +2,11 @@
 
 :class:`Simulator` compiles one kernel instantiation at a time with g++ (the same source text NVRTC gets, from
 :func:`pagedserve.kernels.load_source`, with ``extern __shared__`` arrays turned into pointers to the emulated
-dynamic shared memory), caches the shared library on disk by the hash of its source, and runs it on CPU tensors
-with the exact argument tuple and launch geometry :mod:`pagedserve.kernels` computes. A :class:`Simulator` is a
-:class:`pagedserve.kernels.KernelRuntime` for CPU tensors: installed (``with sim.install():``, i.e.
-:func:`pagedserve.kernels.use_runtime`), the public launchers (argument checks, plans, split-K scratch buffers and
-all) run unchanged on it.
+dynamic shared memory), caches the shared library on disk by the hash of its source and of every emulator header
+(:func:`build_key`), and runs it on CPU tensors with the exact argument tuple and launch geometry
+:mod:`pagedserve.kernels` computes. A :class:`Simulator` is a :class:`pagedserve.kernels.KernelRuntime` for CPU
+tensors: installed (``with sim.install():``, i.e. :func:`pagedserve.kernels.use_runtime`), the public launchers
+(argument checks, plans, split-K scratch buffers and all) run unchanged on it.
 """
 from __future__ import annotations
 
@@ -90,6 +90,23 @@ def translation_unit(source: str, names: tuple[str, ...]) -> str:
     return '#include "simt_host.hpp"\n' + source + "\n" + "".join(entries)
 
 
+def emulator_headers() -> dict[str, str]:
+    """Every header of the emulator, by path relative to tests/simt (``"simt_sync.hpp"``,
+    ``"include/nv/target"``) with its text: the ``*.hpp`` files of this folder (simt_host.hpp and the parts it
+    includes) and the stand-in CUDA headers under include/."""
+    paths = [*HERE.glob("*.hpp"), *(p for p in (HERE / "include").rglob("*") if p.is_file())]
+    return {p.relative_to(HERE).as_posix(): p.read_text() for p in sorted(paths)}
+
+
+def build_key(unit: str, cxx: str, includes: list[str], headers: dict[str, str],
+              flags: tuple[str, ...] = CXX_FLAGS) -> str:
+    """Cache key (24 hex digits) of a compiled kernel library: the translation unit, the compiler path, flags and
+    include folders, and each header's name and text (``headers``, normally :func:`emulator_headers`; order of
+    the mapping does not matter), so an edit to any emulator header rebuilds instead of loading a stale library."""
+    parts = [unit, *flags, *includes, *(f"{name}\0{headers[name]}" for name in sorted(headers)), cxx]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
 def build(source: str, names: tuple[str, ...], label: str) -> ctypes.CDLL:
     """Compile kernel ``source`` with entry points for ``names`` into a shared library (cached on disk by the hash
     of everything that goes into it) and load it. Raises SimtError when g++ is missing or fails."""
@@ -98,9 +115,7 @@ def build(source: str, names: tuple[str, ...], label: str) -> ctypes.CDLL:
         raise SimtError("no C++ compiler (g++) found")
     unit = translation_unit(source, names)
     includes = [str(HERE / "include"), str(HERE), *host_include_dirs()]
-    digest = hashlib.sha256("\0".join([unit, *CXX_FLAGS, *includes, (HERE / "simt_host.hpp").read_text(),
-                                       cxx]).encode()).hexdigest()[:24]
-    target = cache_dir() / f"{digest}.so"
+    target = cache_dir() / f"{build_key(unit, cxx, includes, emulator_headers())}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
