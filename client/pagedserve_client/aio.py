@@ -12,6 +12,7 @@ import grpc
 import grpc.aio
 
 from . import _convert
+from .targets import channel_target
 from ._convert import GenerationResult, Message
 from ._stream import AsyncResponseStream
 from .v1 import inference_pb2 as pb
@@ -31,7 +32,8 @@ class AsyncPagedServeClient:
     def __init__(self, target: str = _convert.DEFAULT_TARGET, *, timeout_s: float | None = None,
                  channel_options: Iterable[tuple[str, Any]] | None = None,
                  credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None) -> None:
-        options = _convert.channel_options(list(channel_options or ()))
+        target, round_robin = channel_target(target)
+        options = _convert.channel_options(list(channel_options or ()), round_robin)
         self._metadata = _convert.auth_metadata(api_key)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)
