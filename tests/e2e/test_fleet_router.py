@@ -6,8 +6,11 @@ the load, the restarted replica takes traffic again)."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -124,6 +127,49 @@ def test_grpc_client_spreads_calls_over_a_two_address_target(fleet):
             assert client.generate_text(f"call {i}", max_tokens=1).finish_reason == "LENGTH"
     delta = [a - b for a, b in zip(handled(), before)]
     assert sum(delta) == 20 and min(delta) >= 5, delta  # round robin over both (10 and 10 once both are ready)
+
+
+def _replica_of(fleet: Fleet, request_id: str) -> int:
+    """Which replica ran ``request_id`` (its JSON ``generate_start`` log line)."""
+    found = [i for i in range(fleet.num_replicas)
+             if f'"request_id": "{request_id}"' in (fleet.log_dir / f"replica-{i}.log").read_text()]
+    assert len(found) == 1, (request_id, found)
+    return found[0]
+
+
+def test_cache_aware_keeps_each_shared_prefix_on_one_replica(fleet):
+    """A second router (cache_aware, matching prompts by the token ids of /render) over the same replicas: three
+    system prompts x three turns, interleaved; every turn of a prompt lands where its first turn did."""
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "route", "--host", "127.0.0.1", "--port",
+                               str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                               "--policy", "cache_aware", "--worker-urls", *fleet.worker_urls],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: router.poll() is not None or _ok(f"http://127.0.0.1:{port}/health"), 60, "router")
+        words = "cache block token prefix router replica engine batch kernel tensor queue stream".split()
+        systems = [f"You are assistant {j}. " + " ".join(random.Random(j).choice(words) for _ in range(150))
+                   for j in range(3)]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=REQUEST_TIMEOUT_S) as c:
+            for t in range(3):
+                for j, system in enumerate(systems):
+                    r = c.post("/v1/chat/completions", json={
+                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"turn {t}"}],
+                        "max_tokens": 2, "request_id": f"ca-{j}-{t}"})
+                    assert r.status_code == 200, r.text
+    finally:
+        router.terminate()
+        router.wait(30)
+    placement = [[_replica_of(fleet, f"ca-{j}-{t}") for t in range(3)] for j in range(3)]
+    assert all(len(set(turns)) == 1 for turns in placement), placement
+    assert {turns[0] for turns in placement} == {0, 1}, placement  # the prompts were spread, not piled up
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _complete(client: httpx.Client, i: int) -> tuple[str, float]:
