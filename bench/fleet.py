@@ -1,6 +1,6 @@
 """Fleet benchmark: two replicas behind vllm-router, cache_aware vs round_robin, in one run.
 
-    python bench/fleet.py [--system-words 600] [--turns 12] [--num-kv-blocks 130] [--concurrency 2]
+    python bench/fleet.py [--system-words 600] [--turns 12] [--num-kv-blocks 100] [--concurrency 2]
 
 Workload: 3 long shared system prompts x ``--turns`` short user turns each (a different question every turn),
 sent as streaming chat completions through the router, the prompts interleaved (turn t of prompt 0, 1, 2, then
@@ -19,7 +19,7 @@ The KV cache is sized (``--num-kv-blocks``) to hold about two of the three syste
 robin sends every prompt to both replicas, so each replica cycles through all three and evicts what it will need
 next; cache_aware keeps each prompt on one replica, so the fleet holds all three. With a KV cache that holds all
 three everywhere, round robin misses only the first turn of each prompt on each replica, and the gap shrinks to
-that (``--num-kv-blocks 0`` runs that case: the engine's default size).
+that (``--num-kv-blocks 130`` or ``0``, the engine's default size, run that case; figures in bench/README.md).
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=12, help="user turns per system prompt")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--num-kv-blocks", type=int, default=130, help="per replica (16 tokens each); 0: default")
+    parser.add_argument("--num-kv-blocks", type=int, default=100, help="per replica (16 tokens each); 0: default")
     parser.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     args = parser.parse_args()
     conversations = workload(system_prompts(args.system_words), args.turns)
