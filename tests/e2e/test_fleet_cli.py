@@ -39,9 +39,9 @@ def _start(tiny_model: str, num_replicas: int, log_dir) -> tuple[subprocess.Pope
     return proc, children
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_everything(tiny_model, tmp_path, sig):
-    proc, children = _start(tiny_model, 2, tmp_path)
+@pytest.mark.parametrize("sig, num_replicas", [(signal.SIGINT, 2), (signal.SIGTERM, 1)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_everything(tiny_model, tmp_path, sig, num_replicas):
+    proc, children = _start(tiny_model, num_replicas, tmp_path)
     proc.send_signal(sig)
     assert proc.wait(60) == 0, proc.stdout.read()
     assert not [pid for pid in children if alive(pid)]
