@@ -25,9 +25,10 @@ class PagedServeClient:
     """Blocking client for pagedserve.v1.InferenceService and grpc.health.v1.Health.
 
     target: "host:port", or several replicas ("dns:///name:port", "ipv4:a:port,b:port" or "a:port,b:port"), which
-    get round-robin load balancing (see pagedserve_client.targets). timeout_s: default deadline in seconds for every call (None: no deadline); each method
-    takes timeout= to override it (for generate the deadline covers the whole stream). channel_options: extra
-    grpc channel arguments, overriding the defaults by key. credentials: grpc.ChannelCredentials for TLS (see tls_credentials), else an
+    get round-robin load balancing (see pagedserve_client.targets; ValueError for a list of host names).
+    timeout_s: default deadline in seconds for every call (None: no deadline); each method takes timeout= to
+    override it (for generate the deadline covers the whole stream). channel_options: extra grpc channel arguments,
+    overriding the defaults by key. credentials: grpc.ChannelCredentials for TLS (see tls_credentials), else an
     insecure channel. api_key: sent as `authorization: Bearer <key>` metadata on InferenceService calls (default:
     the PAGEDSERVE_API_KEY environment variable; health checks need none). Use as a context manager or call close().
     """
