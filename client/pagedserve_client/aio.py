@@ -25,8 +25,8 @@ class AsyncPagedServeClient:
     """Non-blocking client for pagedserve.v1.InferenceService and grpc.health.v1.Health.
 
     Arguments as PagedServeClient: target "host:port" (or several replicas, balanced round robin), timeout_s
-    default deadline (seconds) per call,
-    channel_options overriding the defaults by key, credentials for TLS, api_key (default: PAGEDSERVE_API_KEY).
+    default deadline (seconds) per call, channel_options overriding the defaults by key, credentials for TLS,
+    api_key (default: PAGEDSERVE_API_KEY).
     Use `async with` or `await close()`.
     """
 
