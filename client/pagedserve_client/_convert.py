@@ -58,8 +58,9 @@ def tls_credentials(ca_file: str | None = None, cert_file: str | None = None, ke
     return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
 
 
-def service_config_json(max_attempts: int = 4) -> str:
-    """gRPC service config (JSON): retry the unary methods on UNAVAILABLE with exponential backoff.
+def service_config_json(max_attempts: int = 4, round_robin: bool = False) -> str:
+    """gRPC service config (JSON): retry the unary methods on UNAVAILABLE with exponential backoff; with
+    ``round_robin``, spread calls over every resolved address (see :mod:`pagedserve_client.targets`).
 
     Backoff per gRFC A6: the n-th retry waits a random time in [0, min(0.1 s * 2**(n-1), 2 s)].
     """
@@ -72,14 +73,19 @@ def service_config_json(max_attempts: int = 4) -> str:
         "backoffMultiplier": 2,
         "retryableStatusCodes": ["UNAVAILABLE"],
     }
-    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]})
+    config: dict[str, Any] = {"methodConfig": [{"name": names, "retryPolicy": policy}]}
+    if round_robin:
+        config["loadBalancingConfig"] = [{"round_robin": {}}]
+    return json.dumps(config)
 
 
-def channel_options(user_options: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
-    """The client's default channel options (retries, 64 MiB messages) with user_options overriding by key."""
+def channel_options(user_options: Sequence[tuple[str, Any]] | None, round_robin: bool = False
+                    ) -> list[tuple[str, Any]]:
+    """The client's default channel options (retries, 64 MiB messages, ``round_robin`` balancing when asked) with
+    user_options overriding by key."""
     merged: dict[str, Any] = {
         "grpc.enable_retries": 1,
-        "grpc.service_config": service_config_json(),
+        "grpc.service_config": service_config_json(round_robin=round_robin),
         "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
         "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
     }

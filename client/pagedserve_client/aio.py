@@ -12,6 +12,7 @@ import grpc
 import grpc.aio
 
 from . import _convert
+from .targets import channel_target
 from ._convert import GenerationResult, Message
 from ._stream import AsyncResponseStream
 from .v1 import inference_pb2 as pb
@@ -23,15 +24,17 @@ _UNSET: Any = object()
 class AsyncPagedServeClient:
     """Non-blocking client for pagedserve.v1.InferenceService and grpc.health.v1.Health.
 
-    Arguments as PagedServeClient: target "host:port", timeout_s default deadline (seconds) per call,
-    channel_options overriding the defaults by key, credentials for TLS, api_key (default: PAGEDSERVE_API_KEY).
+    Arguments as PagedServeClient: target "host:port" (or several replicas, balanced round robin), timeout_s
+    default deadline (seconds) per call, channel_options overriding the defaults by key, credentials for TLS,
+    api_key (default: PAGEDSERVE_API_KEY).
     Use `async with` or `await close()`.
     """
 
     def __init__(self, target: str = _convert.DEFAULT_TARGET, *, timeout_s: float | None = None,
                  channel_options: Iterable[tuple[str, Any]] | None = None,
                  credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None) -> None:
-        options = _convert.channel_options(list(channel_options or ()))
+        target, round_robin = channel_target(target)
+        options = _convert.channel_options(list(channel_options or ()), round_robin)
         self._metadata = _convert.auth_metadata(api_key)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from . import _convert
+from .targets import channel_target
 from ._convert import GenerationResult, Message
 from ._stream import ResponseStream
 from .v1 import inference_pb2 as pb
@@ -23,9 +24,11 @@ _UNSET: Any = object()
 class PagedServeClient:
     """Blocking client for pagedserve.v1.InferenceService and grpc.health.v1.Health.
 
-    target: "host:port". timeout_s: default deadline in seconds for every call (None: no deadline); each method
-    takes timeout= to override it (for generate the deadline covers the whole stream). channel_options: extra
-    grpc channel arguments, overriding the defaults by key. credentials: grpc.ChannelCredentials for TLS (see tls_credentials), else an
+    target: "host:port", or several replicas ("dns:///name:port", "ipv4:a:port,b:port" or "a:port,b:port"), which
+    get round-robin load balancing (see pagedserve_client.targets; ValueError for a list of host names).
+    timeout_s: default deadline in seconds for every call (None: no deadline); each method takes timeout= to
+    override it (for generate the deadline covers the whole stream). channel_options: extra grpc channel arguments,
+    overriding the defaults by key. credentials: grpc.ChannelCredentials for TLS (see tls_credentials), else an
     insecure channel. api_key: sent as `authorization: Bearer <key>` metadata on InferenceService calls (default:
     the PAGEDSERVE_API_KEY environment variable; health checks need none). Use as a context manager or call close().
     """
@@ -33,7 +36,8 @@ class PagedServeClient:
     def __init__(self, target: str = _convert.DEFAULT_TARGET, *, timeout_s: float | None = None,
                  channel_options: Iterable[tuple[str, Any]] | None = None,
                  credentials: grpc.ChannelCredentials | None = None, api_key: str | None = None) -> None:
-        options = _convert.channel_options(list(channel_options or ()))
+        target, round_robin = channel_target(target)
+        options = _convert.channel_options(list(channel_options or ()), round_robin)
         self._metadata = _convert.auth_metadata(api_key)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)

@@ -1,5 +1,6 @@
 """``pagedserve serve``: the command line. Flags are derived one to one from the fields of :class:`ServerConfig`
-and :class:`EngineConfig` (:mod:`pagedserve.config_flags`).
+and :class:`EngineConfig` (:mod:`pagedserve.config_flags`). ``pagedserve route`` and ``pagedserve fleet`` (several
+replicas behind vLLM's router) live in :mod:`pagedserve.fleet`.
 
 Every flag can also be given as an environment variable ``PAGEDSERVE_<FIELD>`` (``--max-num-seqs`` ->
 ``PAGEDSERVE_MAX_NUM_SEQS``; ``--no-enable-prefix-caching`` -> ``PAGEDSERVE_ENABLE_PREFIX_CACHING=false``; switches
@@ -17,6 +18,8 @@ from collections.abc import Mapping
 from .config import EngineConfig, ServerConfig
 from .config_flags import add_flags, build_config, environment_defaults, flag_specs
 from .envs import ENV_PREFIX, pagedserve_settings
+from .fleet import local as fleet_local
+from .fleet import router as fleet_router
 
 SPECS = flag_specs(ServerConfig, EngineConfig)
 
@@ -38,6 +41,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     for name, message in errors.items():
         s.error(f"{name}: {message}")
     s.set_defaults(**defaults)
+    fleet_router.add_parser(sub)   # pagedserve route
+    fleet_local.add_parser(sub)    # pagedserve fleet
     return parser
 
 
@@ -78,6 +83,8 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig | None)
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        return args.run(args)
     from .logging import configure_logging
 
     try:

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (the server's Prometheus registry), ``POST /tokenize``, ``POST /detokenize``
-(vLLM's shapes).
+(vLLM's shapes); and what a router in front of several replicas asks (:mod:`.fleet_routes`):
+``POST /v1/chat/completions/render``, ``POST /v1/completions/render``, ``GET /get_load``.
 
 :class:`GateMiddleware`: API keys (``Authorization: Bearer``, :class:`~pagedserve.serving.auth.ApiKeys`) on
 ``/v1/*``, ``/tokenize`` and ``/detokenize`` (``/health`` and ``/metrics`` stay open); 503 for
@@ -25,6 +26,7 @@ from ..serving.prompts import ChatPrompt, TextPrompt
 from ..serving.services import Services
 from . import convert as cv
 from . import errors
+from .fleet_routes import build_router as build_fleet_router
 from .openai_serving import OpenAIServing
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                        TokenizeRequest)
@@ -153,6 +155,7 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
     async def detokenize(body: DetokenizeRequest):
         return {"prompt": services.require_generation().detokenize(body.tokens, field="tokens")}
 
+    app.include_router(build_fleet_router(services))
     gate = GateMiddleware(app, services, api_keys, config.max_request_body_bytes)
     return app, gate
 

@@ -1,0 +1,233 @@
+"""``pagedserve fleet`` (``make fleet N=2``): N replicas on loopback ports and vllm-router in front, one command.
+
+Replica ``i`` serves gRPC on ``--grpc-base-port + i`` and HTTP on ``--http-base-port + i``; the router listens on
+``--router-port`` with the settings of ``pagedserve route``. Each child runs in a process group of its own, with
+the kernel told to SIGKILL it if this process dies (``PR_SET_PDEATHSIG``); SIGINT (Ctrl-C) or SIGTERM here stops
+the router, then the replicas (SIGTERM to each group, SIGKILL to what is left after ``grace_s``), so no process
+outlives the fleet. Logs go to one file per process in ``--log-dir``.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .router import POLICIES
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether GET ``url`` answers 200 within ``timeout_s``."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass
+class Fleet:
+    """N pagedserve replicas and the router, as child processes of this one.
+
+    Args:
+        num_replicas: N >= 1.
+        serve_args: extra ``pagedserve serve`` arguments for every replica (model, device, ...).
+        http_base_port, grpc_base_port: replica i's ports are these + i.
+        router_port, prometheus_port: the router's API and its own metrics.
+        policy: the router's load-balancing policy.
+        router_args: extra vllm-router arguments (after ``pagedserve route``'s own settings).
+        log_dir: one ``replica-<i>.log`` / ``router.log`` per process (default: a new temporary directory).
+    """
+
+    num_replicas: int
+    serve_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    http_base_port: int = 8101
+    grpc_base_port: int = 50151
+    router_port: int = 8080
+    prometheus_port: int = 29000
+    policy: str = "cache_aware"
+    router_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    replicas: list[subprocess.Popen | None] = field(default_factory=list, init=False)
+    router: subprocess.Popen | None = field(default=None, init=False)
+
+    def __post_init__(self):
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pagedserve-fleet-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.replicas = [None] * self.num_replicas
+
+    # ---- addresses ---------------------------------------------------------------------------------------------
+    def http_url(self, i: int) -> str:
+        return f"http://{self.host}:{self.http_base_port + i}"
+
+    def grpc_target(self, i: int) -> str:
+        return f"{self.host}:{self.grpc_base_port + i}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [self.http_url(i) for i in range(self.num_replicas)]
+
+    # ---- processes ---------------------------------------------------------------------------------------------
+    def _spawn(self, command: list[str], log_name: str) -> subprocess.Popen:
+        log = open(self.log_dir / log_name, "ab")
+        try:
+            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    process_group=0, preexec_fn=_die_with_parent)
+        finally:
+            log.close()
+
+    def start_replica(self, i: int) -> None:
+        """Start replica ``i`` (again, after :meth:`kill`) on its ports."""
+        command = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", self.host,
+                   "--port", str(self.grpc_base_port + i), "--http-port", str(self.http_base_port + i),
+                   *self.serve_args]
+        self.replicas[i] = self._spawn(command, f"replica-{i}.log")
+
+    def start_router(self) -> None:
+        command = [sys.executable, "-m", "pagedserve.cli", "route", "--host", self.host,
+                   "--port", str(self.router_port), "--policy", self.policy, "--prometheus-host", self.host,
+                   "--prometheus-port", str(self.prometheus_port), "--worker-urls", *self.worker_urls,
+                   "--", *self.router_args]
+        self.router = self._spawn(command, "router.log")
+
+    def start(self, timeout_s: float = 600) -> Fleet:
+        """Start every replica, wait for their ``/health``, then start the router and wait for it. Raises
+        RuntimeError (naming the log) when a process exits or is not ready within ``timeout_s``."""
+        for i in range(self.num_replicas):
+            self.start_replica(i)
+        deadline = time.monotonic() + timeout_s
+        for i in range(self.num_replicas):
+            self.wait_replica(i, deadline - time.monotonic())
+        self.start_router()
+        self._wait(lambda: http_ok(self.router_url + "/health"), self.router, "router.log",
+                   deadline - time.monotonic())
+        return self
+
+    def wait_replica(self, i: int, timeout_s: float) -> None:
+        self._wait(lambda: http_ok(self.http_url(i) + "/health"), self.replicas[i], f"replica-{i}.log", timeout_s)
+
+    def _wait(self, ready, proc: subprocess.Popen | None, log_name: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if proc is None or proc.poll() is not None:
+                raise RuntimeError(f"{log_name[:-4]} exited; see {self.log_dir / log_name}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{log_name[:-4]} not ready in time; see {self.log_dir / log_name}")
+            time.sleep(0.2)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to replica ``i``'s process group and reap it."""
+        proc = self.replicas[i]
+        if proc is not None:
+            _signal_group(proc, sig)
+            proc.wait()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Stop the router, then the replicas: SIGTERM to each process group, SIGKILL to what is left after
+        ``grace_s``. Safe to call twice."""
+        for group in ([self.router], self.replicas):
+            procs = [p for p in group if p is not None]
+            for p in procs:
+                _signal_group(p, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in procs:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                _signal_group(p, signal.SIGKILL)  # whatever of the group is left (children included)
+                p.wait()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the child leads its own group (process_group=0)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The ``fleet`` subcommand on ``sub`` (the ``pagedserve`` subparsers)."""
+    p = sub.add_parser("fleet", help="run N replicas and vllm-router on loopback ports (development)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=__doc__,
+                       epilog="Arguments after -- go to every `pagedserve serve` replica.")
+    p.add_argument("--replicas", "-n", type=int, default=2, help="number of replicas")
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy")
+    p.add_argument("--router-port", type=int, default=8080)
+    p.add_argument("--prometheus-port", type=int, default=29000, help="the router's own /metrics")
+    p.add_argument("--http-base-port", type=int, default=8101, help="replica i's HTTP port is this + i")
+    p.add_argument("--grpc-base-port", type=int, default=50151, help="replica i's gRPC port is this + i")
+    p.add_argument("--log-dir", default=None, help="per-process logs (default: a new temporary directory)")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `pagedserve serve` arguments")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the fleet, print its addresses, run until SIGINT/SIGTERM or the router exits, then stop it all.
+    Returns 0 after a signal, 1 when a process failed to start or the router died."""
+    serve_args = list(args.serve_args)
+    fleet = Fleet(args.replicas, serve_args[1:] if serve_args[:1] == ["--"] else serve_args,
+                  http_base_port=args.http_base_port, grpc_base_port=args.grpc_base_port,
+                  router_port=args.router_port, prometheus_port=args.prometheus_port, policy=args.policy,
+                  log_dir=Path(args.log_dir) if args.log_dir else None)
+    stop, started = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        stop.set()
+        if not started.is_set():  # still starting: leave start() at once
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    status = 0
+    try:
+        print(f"pagedserve fleet: starting {args.replicas} replicas; logs in {fleet.log_dir}", flush=True)
+        fleet.start()
+        started.set()
+        print(f"router  {fleet.router_url}  (policy {args.policy}; OpenAI API at {fleet.router_url}/v1)", flush=True)
+        for i in range(args.replicas):
+            print(f"replica {i}  http {fleet.http_url(i)}  grpc {fleet.grpc_target(i)}", flush=True)
+        print(f"gRPC, round robin over all: pagedserve-client --target "
+              f"ipv4:{','.join(fleet.grpc_target(i) for i in range(args.replicas))} ...", flush=True)
+        while not stop.wait(1.0):
+            if fleet.router.poll() is not None:
+                print(f"pagedserve fleet: the router exited; see {fleet.log_dir / 'router.log'}", file=sys.stderr)
+                status = 1
+                break
+    except RuntimeError as exc:
+        print(f"pagedserve fleet: error: {exc}", file=sys.stderr)
+        status = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        fleet.stop()
+    return status
