@@ -8,7 +8,7 @@ A field's ``metadata["choices"]`` lists its allowed values.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
@@ -20,6 +20,15 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def _check(cond: bool, field: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{field}: {msg}")
+
+
+def _check_choices(config) -> None:
+    """Every field with ``metadata["choices"]`` holds one of them. Raises ValueError naming the field."""
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        _check(choices is None or value in choices, f.name,
+               f"unknown value {value!r}; one of {', '.join(map(str, choices or ()))}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,18 +112,9 @@ class EngineConfig:
     enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
-        _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
-               f"unknown scheme {self.quantization!r}; one of auto, none, int8, int4")
-        _check(self.quant_group_size in (32, 64, 128), "quant_group_size", "must be 32, 64 or 128")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-               f"unknown dtype {self.kv_cache_dtype!r}; one of {', '.join(KV_CACHE_DTYPES)}")
-        _check(self.linear_kernels in ("auto", "torch"), "linear_kernels",
-               f"unknown choice {self.linear_kernels!r}; one of auto, torch")
+        _check_choices(self)
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
-        _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
-        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
-               f"unknown backend {self.attention_backend!r}")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
                f"unknown device {self.device!r}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
@@ -311,7 +311,7 @@ class ServerConfig:
         for name, other in (("http_port", "port"), ("metrics_port", "port"), ("metrics_port", "http_port")):
             a, b = getattr(self, name), getattr(self, other)
             _check(not a or a != b, name, f"must differ from {other}")
-        _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
+        _check_choices(self)
 
     @property
     def tls(self) -> bool:

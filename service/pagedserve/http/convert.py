@@ -13,12 +13,9 @@ from ..engine.structured_output import StructuredOutput
 from ..errors import InvalidInputError
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from .errors import OpenAIError
-from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from .protocol import SAMPLING_BODY_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 
 FINGERPRINT = "pagedserve-0.1.0"
-_VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-                "skip_special_tokens", "truncate_prompt_tokens")
-_OPENAI_SAMPLING = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
 
 
 def new_id(prefix: str) -> str:
@@ -45,12 +42,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         InvalidInputError: a value out of range (field ``sampling.<name>``, shown to the client without the
             prefix), or a ``logit_bias`` key that is not a token id.
     """
-    kwargs: dict = {name: getattr(body, name) for name in _OPENAI_SAMPLING + _VLLM_EXTRAS
-                    if getattr(body, name) is not None}
-    if body.stop is not None:
-        kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-    if body.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
+    kwargs: dict = {name: getattr(body, name) for name in SAMPLING_BODY_FIELDS if getattr(body, name) is not None}
     if body.logit_bias:
         try:
             kwargs["logit_bias"] = tuple((int(k), float(v)) for k, v in body.logit_bias.items())
@@ -72,11 +64,12 @@ def beam_search(body: ChatCompletionRequest | CompletionRequest) -> BeamSearchPa
     Raises:
         InvalidInputError: n < 2, or a bad length_penalty / early_stopping (the field as the body names it).
     """
-    if body.n < 2:
-        raise InvalidInputError(f"must be >= 2 with use_beam_search (it is the beam width), got {body.n}",
+    n = 1 if body.n is None else body.n
+    if n < 2:
+        raise InvalidInputError(f"must be >= 2 with use_beam_search (it is the beam width), got {n}",
                                 "sampling.n")
     try:
-        return BeamSearchParams(body.n, 1.0 if body.length_penalty is None else body.length_penalty,
+        return BeamSearchParams(n, 1.0 if body.length_penalty is None else body.length_penalty,
                                 bool(body.early_stopping))
     except InvalidInputError as exc:
         name = exc.field.removeprefix("beam_search.")
