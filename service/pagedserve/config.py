@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # pagedserve.tool_calls.PARSERS' names (a test keeps them equal)
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
@@ -27,7 +28,7 @@ def _check_choices(config) -> None:
     for f in fields(config):
         choices = f.metadata.get("choices")
         value = getattr(config, f.name)
-        _check(choices is None or value in choices, f.name,
+        _check(choices is None or value is None or value in choices, f.name,
                f"unknown value {value!r}; one of {', '.join(map(str, choices or ()))}")
 
 
@@ -254,6 +255,17 @@ class ServerConfig:
             port. The HTTP API serves the same registry at ``/metrics`` too.
         log_level: the lowest level logged.
         log_json: JSON log lines; None: when stdout is not a TTY.
+        chat_template: a Jinja chat template (a file path, or the template itself) used instead of the model's
+            own, e.g. one that renders ``tools`` (vLLM's --chat-template).
+        enable_auto_tool_choice: let the model decide when to call tools (``tool_choice: auto``, the default
+            when a request has tools); needs tool_call_parser. Without it such requests are a 400 (as in vLLM).
+        tool_call_parser: how tool calls are read from the model's text under ``tool_choice: auto``: "hermes"
+            (``<tool_call>{...}</tool_call>``, Hermes/Qwen2 templates) or "llama3_json" (Llama 3.1/3.2 JSON).
+        allowed_origins: CORS: origins a browser page may call the HTTP API from, as a JSON list (vLLM's
+            default ``["*"]``).
+        allowed_methods: CORS: methods allowed cross-origin, as a JSON list (default ``["*"]``).
+        allowed_headers: CORS: request headers allowed cross-origin, as a JSON list (default ``["*"]``).
+        allow_credentials: CORS: allow cookies and Authorization on cross-origin requests.
     """
 
     host: str = "127.0.0.1"
@@ -283,6 +295,13 @@ class ServerConfig:
     metrics_port: int | None = None
     log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
     log_json: bool | None = None
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = field(default=None, metadata={"choices": TOOL_CALL_PARSERS})
+    allowed_origins: str = '["*"]'
+    allowed_methods: str = '["*"]'
+    allowed_headers: str = '["*"]'
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.embedding_model is not None and self.embedding_model.lower() == "none":
@@ -312,6 +331,21 @@ class ServerConfig:
             a, b = getattr(self, name), getattr(self, other)
             _check(not a or a != b, name, f"must differ from {other}")
         _check_choices(self)
+        _check(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "tool_call_parser",
+               "--enable-auto-tool-choice needs --tool-call-parser")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            self.cors_list(name)
+
+    def cors_list(self, name: str) -> list[str]:
+        """A CORS setting (``allowed_origins`` ...) parsed. Raises ValueError naming it unless a JSON list of
+        strings."""
+        try:
+            value = json.loads(getattr(self, name))
+        except ValueError:
+            value = None
+        _check(isinstance(value, list) and all(isinstance(v, str) for v in value), name,
+               f"must be a JSON list of strings, got {getattr(self, name)!r}")
+        return value
 
     @property
     def tls(self) -> bool:

@@ -2,6 +2,8 @@
 errors name the body field (``param``) as the client wrote it."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 
@@ -136,31 +138,71 @@ def _from_vllm(so: dict) -> dict:
     return {_VLLM_KINDS[k]: v for k, v in so.items() if k in _VLLM_KINDS and v not in (None, False)}
 
 
+def with_tool_constraint(body: ChatCompletionRequest, params: SamplingParams, schema: dict) -> SamplingParams:
+    """``params`` holding the output to ``schema`` (tool_choice required / named).
+
+    Raises:
+        OpenAIError: 400 naming ``tool_choice`` when the body asks for another constraint as well.
+    """
+    other = structured_output(body)
+    if other is not None:
+        raise OpenAIError(400, f"a required or named tool choice cannot be combined with {other[1]}",
+                          param="tool_choice")
+    return dataclasses.replace(params, structured_output=StructuredOutput(json_schema=schema))
+
+
 def public_constraint_error(exc: InvalidInputError, body) -> OpenAIError | None:
     """A compile error of the body's constraint (``sampling.structured_output.*``) as a 400 naming the body field
     that gave it (``response_format``, ``guided_json``, ...); None for any other error."""
     if not (exc.field or "").startswith("sampling.structured_output"):
         return None
     constraint = structured_output(body)
-    param = constraint[1] if constraint else "structured_output"
+    param = constraint[1] if constraint else ("tools" if getattr(body, "tools", None) else "structured_output")
     return OpenAIError(400, str(exc).removeprefix(f"{exc.field}: "), param=param)
 
 
 def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
-    """The chat messages as a prompt; a content list keeps its text parts (joined), other parts are a 400."""
+    """The chat messages (and ``tools``) as a prompt; a content list keeps its text parts (joined), other parts are
+    a 400. Assistant ``tool_calls`` keep their ids and names with the arguments parsed from their JSON text (chat
+    templates render them as objects, as in vLLM); a tool message keeps its ``tool_call_id``."""
     messages = []
     for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIError(400, f"content part type {part.get('type')!r} is not supported (text only)",
-                                      param=f"messages[{i}].content[{j}]", code="unsupported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        messages.append({"role": m.role, "content": content or ""})
-    return ChatPrompt(tuple(messages), body.add_generation_prompt)
+        message = {"role": m.role, "content": _content_text(m.content, i) or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    tools = getattr(body, "tools", None)
+    return ChatPrompt(tuple(messages), body.add_generation_prompt, tools=tuple(tools) if tools else None)
+
+
+def _content_text(content, i: int) -> str | None:
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise OpenAIError(400, f"content part type {part.get('type')!r} is not supported (text only)",
+                              param=f"messages[{i}].content[{j}]", code="unsupported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _template_call(call: dict, param: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise OpenAIError(400, 'must be {"id", "type": "function", "function": {"name", "arguments"}}', param=param)
+    arguments = fn.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise OpenAIError(400, "must be a JSON text", param=f"{param}.function.arguments") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
 
 
 def completion_prompts(prompt) -> list[Prompt]:

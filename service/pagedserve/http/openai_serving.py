@@ -26,7 +26,9 @@ from ..errors import InvalidInputError
 from ..serving.generation import GenerateCall, GenerationService
 from ..serving.prompts import TextPrompt
 from ..serving.services import Services
+from ..tool_calls import plan_tools
 from . import convert as cv
+from .chat_shaper import ChatShaper
 from .errors import OpenAIError, error_body, from_exception
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
@@ -36,10 +38,13 @@ class OpenAIServing:
 
     Args:
         services: the process's services; ``model`` must carry their served names (a missing ``model`` takes it).
+        auto_tool_parser: the --tool-call-parser when --enable-auto-tool-choice is on (``tool_choice: auto``),
+            else None.
     """
 
-    def __init__(self, services: Services):
+    def __init__(self, services: Services, auto_tool_parser: str | None = None):
         self.services = services
+        self.auto_tool_parser = auto_tool_parser
         self.generation_name = services.generation_name
         self.embedding_name = services.embedding_name
 
@@ -66,12 +71,15 @@ class OpenAIServing:
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.auto_tool_parser)
         params = cv.sampling_params(body, body.max_completion_tokens or body.max_tokens, k)
+        if plan is not None and plan.schema is not None:
+            params = cv.with_tool_constraint(body, params, plan.schema)
         calls = [GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt)]
         stream = _Stream(generation, calls, params.n)
         await _open(stream, body)
-        shaper = _ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), params.n,
-                             k is not None)
+        shaper = ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), params.n,
+                            k is not None, plan)
         if body.stream:
             return _sse(stream, shaper, body.stream_options)
         return _json_or_gone(await _collect(stream, shaper, request))
@@ -183,63 +191,6 @@ class _Stream:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-class _ChatShaper:
-    """Chat completion responses and chunks."""
-
-    def __init__(self, rid: str, model: str, text: cv.TokenText, n: int, logprobs: bool):
-        self.rid, self.model, self.text, self.n, self.logprobs = rid, model, text, n, logprobs
-        self.created = cv.now_s()
-        self.usage = cv.UsageSum()
-        self._started: set[int] = set()
-        self._choices: dict[int, dict] = {}
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        out = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "system_fingerprint": cv.FINGERPRINT, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    def chunks(self, prompt_index: int, d: CompletionDelta) -> list[dict]:
-        index = prompt_index * self.n + d.index
-        out = []
-        if index not in self._started:
-            self._started.add(index)
-            out.append(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]))
-        if d.usage is not None:
-            self.usage.add(d.usage)
-        if d.text or d.token_ids or d.finish_reason is not None:
-            choice = {"index": index, "delta": {"content": d.text} if d.text else {},
-                      "logprobs": {"content": cv.chat_logprobs(d.logprobs or [], self.text)}
-                      if self.logprobs and d.logprobs else None, "finish_reason": d.finish_reason}
-            if d.finish_reason is not None:
-                choice["stop_reason"] = d.matched_stop
-            out.append(self._chunk([choice]))
-        return out
-
-    def usage_chunk(self) -> dict:
-        return self._chunk([], self.usage.as_dict())
-
-    def add(self, prompt_index: int, d: CompletionDelta) -> None:
-        index = prompt_index * self.n + d.index
-        c = self._choices.setdefault(index, {"index": index, "text": [], "lps": [], "finish": None, "stop": None})
-        c["text"].append(d.text)
-        c["lps"].extend(d.logprobs or [])
-        if d.finish_reason is not None:
-            c["finish"], c["stop"] = d.finish_reason, d.matched_stop
-        if d.usage is not None:
-            self.usage.add(d.usage)
-
-    def response(self) -> dict:
-        choices = [{"index": c["index"], "message": {"role": "assistant", "content": "".join(c["text"])},
-                    "logprobs": {"content": cv.chat_logprobs(c["lps"], self.text)} if self.logprobs else None,
-                    "finish_reason": c["finish"], "stop_reason": c["stop"]}
-                   for _, c in sorted(self._choices.items())]
-        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": cv.FINGERPRINT, "choices": choices, "usage": self.usage.as_dict()}
 
 
 class _CompletionShaper:

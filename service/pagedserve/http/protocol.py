@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from ..engine.sampling_params import SamplingParams
 
 # Fields of OpenAI's chat/completions bodies that ask for what this server does not do.
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-                      "modalities", "prediction", "web_search_options", "suffix", "best_of")
+UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
+                      "suffix", "best_of")
 
 
 class _Body(BaseModel):
@@ -78,6 +78,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # assistant: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None      # tool: the call this message answers
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -87,6 +89,9 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True   # vLLM extra
+    tools: list[dict] | None = None      # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingBody):
