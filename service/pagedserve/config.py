@@ -348,6 +348,11 @@ class ServerConfig:
         return value
 
     @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of ``tool_choice: auto`` output: tool_call_parser when enable_auto_tool_choice is on."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+    @property
     def tls(self) -> bool:
         """Both ports speak TLS."""
         return self.ssl_certfile is not None

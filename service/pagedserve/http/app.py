@@ -101,7 +101,7 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
               ) -> tuple[FastAPI, GateMiddleware]:
     """The FastAPI app and its gate (whose ``num_in_flight`` shutdown drains)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(services, config.tool_call_parser if config.enable_auto_tool_choice else None)
+    serving = OpenAIServing(services, config.auto_tool_parser)
     app.add_exception_handler(errors.OpenAIError, errors.on_openai_error)
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
     app.add_exception_handler(StarletteHTTPException, errors.on_http_error)
