@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -137,3 +138,14 @@ def test_agent_turn_with_the_tool_result_in_the_template(oai, auto_server):
         {**call.model_dump(), "function": {"name": "get_weather", "arguments": json.loads(call.function.arguments)}}]},
         history[2]]
     assert answer.usage.prompt_tokens == _rendered_len(auto_server.tokenizer, template_history, TOOLS)
+
+
+def test_cors_with_configured_origins_and_credentials(auto_server):
+    with httpx.Client(base_url=auto_server.http_url, timeout=30) as http:
+        ok = http.options("/v1/models", headers={"Origin": "https://app.example",
+                                                  "Access-Control-Request-Method": "GET"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        assert ok.headers["access-control-allow-credentials"] == "true"
+        other = http.options("/v1/models", headers={"Origin": "https://evil.example",
+                                                     "Access-Control-Request-Method": "GET"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers

@@ -15,6 +15,7 @@ from ..engine.structured_output import StructuredOutput
 from ..errors import InvalidInputError
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from .errors import OpenAIError
+from .token_bytes import TokenBytes
 from .protocol import SAMPLING_BODY_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 
 FINGERPRINT = "pagedserve-0.1.0"
@@ -242,11 +243,12 @@ class UsageSum:
 
 
 class TokenText:
-    """Token id -> its text as a client sees it (the id decoded alone), cached."""
+    """Token id -> its text as a client sees it (the id decoded alone), cached; ``bytes(id)`` its own bytes."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self.bytes = TokenBytes(tokenizer)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of a token sequence (special tokens kept)."""
@@ -260,10 +262,9 @@ class TokenText:
 
 
 def chat_logprobs(lps: list[TokenLogprobs], text: TokenText) -> list[dict]:
-    """OpenAI chat ``logprobs.content`` entries."""
+    """OpenAI chat ``logprobs.content`` entries; ``bytes`` are the token's own (a piece of a character's UTF-8)."""
     def entry(tid: int, lp: float) -> dict:
-        s = text(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": text(tid), "logprob": lp, "bytes": list(text.bytes(tid))}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
@@ -283,6 +284,8 @@ class CompletionLogprobs:
         s = self._text(token_id)
         self.tokens.append(s)
         self.token_logprobs.append(logprob)
+        if top is not None:  # the chosen (or prompt) token next to the top k, as OpenAI and vLLM report it
+            top = [(token_id, logprob), *((t, v) for t, v in top if t != token_id)]
         self.top_logprobs.append(None if top is None else {self._text(t): v for t, v in top})
         self.text_offset.append(self.offset)
         self.offset += len(s)
