@@ -117,3 +117,12 @@ def test_plan_errors_name_the_body_field(tools, choice, field, match):
     with pytest.raises(InvalidInputError, match=match) as info:
         plan_tools(tools, choice, None, None)
     assert info.value.field == field
+
+
+def test_config_parser_choices_are_the_registered_parsers():
+    from pagedserve.config import TOOL_CALL_PARSERS
+    from pagedserve.tool_calls import PARSERS
+
+    assert TOOL_CALL_PARSERS == tuple(PARSERS)
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        make_parser("nope")
