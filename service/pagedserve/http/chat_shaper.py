@@ -46,7 +46,7 @@ class ChatShaper:
             return ({"content": d.text} if d.text else {}), False
         stream = self._tool_streams.get(index)
         if stream is None:
-            stream = self._tool_streams[index] = ToolCallStream(self.plan.parser())
+            stream = self._tool_streams[index] = ToolCallStream(self.plan.parser(), self.plan.max_calls)
         content, calls = stream.feed(d.text, final=d.finish_reason is not None)
         delta: dict = {"content": content} if content else {}
         if calls:
@@ -89,7 +89,7 @@ class ChatShaper:
         parser = self.plan.parser() if self.plan is not None else None
         if parser is None:
             return {"role": "assistant", "content": text}, False
-        content, calls = parse_whole(parser, text)
+        content, calls = parse_whole(parser, text, self.plan.max_calls)
         return {"role": "assistant", "content": content, "tool_calls": calls}, bool(calls)
 
     def response(self) -> dict:

@@ -80,7 +80,7 @@ class ToolDeltas:
     def apply(self, d: CompletionDelta, msg: pb.GenerateResponse) -> pb.GenerateResponse:
         stream = self._streams.get(d.index)
         if stream is None:
-            stream = self._streams[d.index] = ToolCallStream(self.plan.parser())
+            stream = self._streams[d.index] = ToolCallStream(self.plan.parser(), self.plan.max_calls)
         content, calls = stream.feed(d.text, final=d.finish_reason is not None)
         msg.text = content
         for c in calls:

@@ -49,6 +49,12 @@ class ToolPlan:
                           for n, p in functions.items()]}
         return {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
 
+    @property
+    def max_calls(self) -> int | None:
+        """Calls reported per choice: 1 without ``parallel_tool_calls`` (an ``auto`` model that emits more keeps its
+        first, as vLLM does), else all."""
+        return None if self.parallel else 1
+
     def parser(self) -> ToolParser | None:
         """A fresh parser of this request's output (None for ``none``)."""
         if self.mode == "named":

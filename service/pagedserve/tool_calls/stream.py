@@ -34,10 +34,11 @@ class ToolCallStream:
 
     Args:
         parser: reads the choice's text (see :class:`~pagedserve.tool_calls.parsers.ToolParser`).
+        max_calls: report at most this many calls (1 with ``parallel_tool_calls: false``); None: all.
     """
 
-    def __init__(self, parser: ToolParser):
-        self.parser = parser
+    def __init__(self, parser: ToolParser, max_calls: int | None = None):
+        self.parser, self.max_calls = parser, max_calls
         self.text = ""
         self._content_sent = 0
         self._sent: list[_Sent] = []
@@ -55,7 +56,8 @@ class ToolCallStream:
             snap = self.parser.snapshot(self.text, final=True)
         content = snap.content[self._content_sent:] if len(snap.content) > self._content_sent else ""
         self._content_sent += len(content)
-        return content, [d for i, call in enumerate(snap.calls) for d in self._call_deltas(i, call)]
+        calls = snap.calls[:self.max_calls]
+        return content, [d for i, call in enumerate(calls) for d in self._call_deltas(i, call)]
 
     def _call_deltas(self, index: int, call: PartialCall) -> list[dict]:
         while len(self._sent) <= index:
@@ -75,9 +77,9 @@ class ToolCallStream:
         return out
 
 
-def parse_whole(parser: ToolParser, text: str) -> tuple[str | None, list[dict]]:
+def parse_whole(parser: ToolParser, text: str, max_calls: int | None = None) -> tuple[str | None, list[dict]]:
     """A finished choice's ``(content, tool_calls)``: content None when empty (OpenAI's ``null`` next to calls);
-    calls whose name never completed (a length cut) are left out."""
+    calls whose name never completed (a length cut) are left out; at most ``max_calls`` (None: all)."""
     snap = parser.snapshot(text, final=True)
-    calls = [call_dict(new_call_id(), c.name, c.arguments) for c in snap.calls if c.name is not None]
+    calls = [call_dict(new_call_id(), c.name, c.arguments) for c in snap.calls[:max_calls] if c.name is not None]
     return (snap.content or None), calls

@@ -126,3 +126,12 @@ def test_config_parser_choices_are_the_registered_parsers():
     assert TOOL_CALL_PARSERS == tuple(PARSERS)
     with pytest.raises(ValueError, match="unknown tool call parser"):
         make_parser("nope")
+
+
+def test_without_parallel_calls_only_the_first_is_reported():
+    plan = plan_tools(TOOLS, "auto", False, "hermes")
+    assert plan.max_calls == 1 and plan_tools(TOOLS, "auto", None, "hermes").max_calls is None
+    content, calls = parse_whole(plan.parser(), HERMES, plan.max_calls)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    content, streamed = _reassemble(ToolCallStream(plan.parser(), plan.max_calls), _fragments(HERMES, 5))
+    assert [c["name"] for c in streamed] == ["get_weather"]
