@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROTO = "protos/pagedserve/v1/inference.proto"
 
 
