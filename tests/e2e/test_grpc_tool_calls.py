@@ -78,3 +78,21 @@ def test_bad_tool_requests_are_invalid_argument_naming_the_field(stub, req, fiel
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(req, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in info.value.details()
+
+
+def test_client_library_takes_openai_shaped_tools_and_history(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    calls, text, finish = _calls(client.generate(
+        messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=48, temperature=0))
+    assert finish == pb.FINISH_REASON_TOOL_CALLS and calls[0]["name"] == "get_weather"
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": calls[0]["id"], "type": "function",
+                    "function": {"name": "get_weather", "arguments": calls[0]["arguments"]}}]},
+               {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18C"}]
+    _, answer, finish = _calls(client.generate(messages=history, tools=tools, tool_choice="none", max_tokens=4,
+                                               temperature=0))
+    assert answer and finish in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    with pytest.raises(ValueError, match="tool_choice"):
+        client.generate(prompt="x", tool_choice="sometimes")
