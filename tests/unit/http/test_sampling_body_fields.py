@@ -66,3 +66,9 @@ def test_config_choices_are_checked_from_the_field_metadata(cls):
         for value in f.metadata["choices"]:
             if f.name != "kv_cache_dtype" or value == "auto":  # other cache types are CPU-only and checked later
                 cls(**{f.name: value})
+
+
+def test_none_passes_the_choices_only_where_it_is_the_default():
+    assert ServerConfig(tool_call_parser=None).tool_call_parser is None
+    with pytest.raises(ValueError, match="^dtype: unknown value None"):
+        EngineConfig(dtype=None)
