@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve_client.v1 import inference_pb2 as pb
+from support import free_port, server_sharing_model
 
 pytestmark = pytest.mark.e2e
 
@@ -134,3 +134,15 @@ def test_models_retrieve(oai, http):
     assert model.id == MODEL and model.object == "model"
     r = http.get("/v1/models/no-such-model")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_cors_preflight_needs_no_api_key_but_the_call_does(server):
+    with server_sharing_model(server, http_port=free_port(), server_kwargs={"api_key": "sekret"}) as keyed, \
+            httpx.Client(base_url=keyed.http_url, timeout=60) as http:
+        pre = http.options("/v1/models", headers={"Origin": "https://page.example",
+                                                   "Access-Control-Request-Method": "GET",
+                                                   "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+        assert http.get("/v1/models", headers={"Origin": "https://page.example"}).status_code == 401
+        ok = http.get("/v1/models", headers={"Origin": "https://page.example", "Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
