@@ -172,12 +172,47 @@ def chat_messages(messages: Iterable[Message]) -> pb.ChatMessages:
         if isinstance(item, pb.ChatMessage):
             out.messages.append(item)
         elif isinstance(item, Mapping):
-            out.messages.add(role=item["role"], content=item["content"])
+            msg = out.messages.add(role=item["role"], content=item.get("content") or "",
+                                   tool_call_id=item.get("tool_call_id") or "", name=item.get("name") or "")
+            msg.tool_calls.extend(_tool_call(c) for c in item.get("tool_calls") or ())
         elif isinstance(item, (tuple, list)) and len(item) == 2:
             out.messages.add(role=item[0], content=item[1])
         else:
             raise TypeError(f"a chat message is (role, content), a dict or a ChatMessage, not {item!r}")
     return out
+
+
+def _tool_call(call: Mapping[str, Any] | pb.ToolCall) -> pb.ToolCall:
+    """An OpenAI tool call dict ({"id", "function": {"name", "arguments"}}) as a ToolCall (arguments as JSON)."""
+    if isinstance(call, pb.ToolCall):
+        return call
+    fn = call.get("function", call)
+    args = fn.get("arguments", "{}")
+    return pb.ToolCall(id=call.get("id") or "", name=fn["name"],
+                       arguments=args if isinstance(args, str) else json.dumps(args))
+
+
+def tool(definition: Mapping[str, Any] | pb.Tool) -> pb.Tool:
+    """An OpenAI tool ({"type": "function", "function": {"name", "description", "parameters"}}, or the function
+    object alone) as a Tool message (parameters as JSON text)."""
+    if isinstance(definition, pb.Tool):
+        return definition
+    fn = definition.get("function", definition)
+    params = fn.get("parameters")
+    return pb.Tool(name=fn["name"], description=fn.get("description") or "",
+                   parameters_json="" if params is None else json.dumps(params))
+
+
+def tool_choice_message(choice: str | Mapping[str, Any]) -> pb.ToolChoice:
+    """OpenAI's tool_choice ("none" | "auto" | "required" | {"type": "function", "function": {"name"}}) as a
+    ToolChoice. Raises ValueError for another string."""
+    if isinstance(choice, Mapping):
+        return pb.ToolChoice(function_name=choice.get("function", choice)["name"])
+    modes = {"none": pb.TOOL_CHOICE_MODE_NONE, "auto": pb.TOOL_CHOICE_MODE_AUTO,
+             "required": pb.TOOL_CHOICE_MODE_REQUIRED}
+    if choice not in modes:
+        raise ValueError(f"tool_choice must be one of {list(modes)} or a function, not {choice!r}")
+    return pb.ToolChoice(mode=modes[choice])
 
 
 def generate_request(
@@ -189,13 +224,17 @@ def generate_request(
     priority: int = 0,
     cache_salt: str = "",
     beam_search: Mapping[str, Any] | None = None,
+    tools: Iterable[Mapping[str, Any] | pb.Tool] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """Build a GenerateRequest with exactly one input (prompt | prompt_token_ids | messages).
 
     `sampling` takes the keyword arguments of sampling_params(). `beam_search`: the BeamSearchParams fields
-    (beam_width, length_penalty, early_stopping) to run beam search. Raises ValueError unless exactly one input is
-    given, TypeError for an unknown sampling keyword.
+    (beam_width, length_penalty, early_stopping) to run beam search. `tools` / `tool_choice` /
+    `parallel_tool_calls` take OpenAI's shapes (see tool(), tool_choice_message()). Raises ValueError unless exactly
+    one input is given, TypeError for an unknown sampling keyword.
     """
     given = [name for name, value in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
                                       ("messages", messages)) if value is not None]
@@ -205,6 +244,11 @@ def generate_request(
                                  sampling=sampling_params(**sampling))
     if beam_search is not None:
         request.beam_search.CopyFrom(pb.BeamSearchParams(**beam_search))
+    request.tools.extend(tool(t) for t in tools or ())
+    if tool_choice is not None:
+        request.tool_choice.CopyFrom(tool_choice_message(tool_choice))
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
     if prompt is not None:
         request.prompt = prompt
     elif prompt_token_ids is not None:

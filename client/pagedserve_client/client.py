@@ -61,7 +61,8 @@ class PagedServeClient:
         """Stream the GenerateResponse messages of one prompt as the server produces them.
 
         Exactly one of prompt / prompt_token_ids / messages; `sampling` takes sampling_params()'s keywords
-        (max_tokens, temperature, top_p, top_k, min_p, seed, stop, n, logprobs, ...). close() on the returned
+        (max_tokens, temperature, top_p, top_k, min_p, seed, stop, n, logprobs, ...) and tools / tool_choice /
+        parallel_tool_calls in OpenAI's shapes (calls come back in GenerateResponse.tool_calls). close() on the returned
         stream (or `with`) cancels the RPC, and the server aborts the request. Raises ValueError/TypeError for bad
         arguments before any call, grpc.RpcError while iterating.
         """

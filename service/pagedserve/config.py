@@ -8,18 +8,29 @@ A field's ``metadata["choices"]`` lists its allowed values.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # pagedserve.tool_calls.PARSERS' names (a test keeps them equal)
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{field}: {msg}")
+
+
+def _check_choices(config) -> None:
+    """Every field with ``metadata["choices"]`` holds one of them (or None where None is its default). Raises
+    ValueError naming the field."""
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        _check(choices is None or value in choices or (value is None and f.default is None), f.name,
+               f"unknown value {value!r}; one of {', '.join(map(str, choices or ()))}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,18 +114,9 @@ class EngineConfig:
     enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
-        _check(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
-               f"unknown scheme {self.quantization!r}; one of auto, none, int8, int4")
-        _check(self.quant_group_size in (32, 64, 128), "quant_group_size", "must be 32, 64 or 128")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-               f"unknown dtype {self.kv_cache_dtype!r}; one of {', '.join(KV_CACHE_DTYPES)}")
-        _check(self.linear_kernels in ("auto", "torch"), "linear_kernels",
-               f"unknown choice {self.linear_kernels!r}; one of auto, torch")
+        _check_choices(self)
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
-        _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
-        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
-               f"unknown backend {self.attention_backend!r}")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
                f"unknown device {self.device!r}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of two <= 128")
@@ -254,6 +256,17 @@ class ServerConfig:
             port. The HTTP API serves the same registry at ``/metrics`` too.
         log_level: the lowest level logged.
         log_json: JSON log lines; None: when stdout is not a TTY.
+        chat_template: a Jinja chat template (a file path, or the template itself) used instead of the model's
+            own, e.g. one that renders ``tools`` (vLLM's --chat-template).
+        enable_auto_tool_choice: let the model decide when to call tools (``tool_choice: auto``, the default
+            when a request has tools); needs tool_call_parser. Without it such requests are a 400 (as in vLLM).
+        tool_call_parser: how tool calls are read from the model's text under ``tool_choice: auto``: "hermes"
+            (``<tool_call>{...}</tool_call>``, Hermes/Qwen2 templates) or "llama3_json" (Llama 3.1/3.2 JSON).
+        allowed_origins: CORS: origins a browser page may call the HTTP API from, as a JSON list (vLLM's
+            default ``["*"]``).
+        allowed_methods: CORS: methods allowed cross-origin, as a JSON list (default ``["*"]``).
+        allowed_headers: CORS: request headers allowed cross-origin, as a JSON list (default ``["*"]``).
+        allow_credentials: CORS: allow cookies and Authorization on cross-origin requests.
     """
 
     host: str = "127.0.0.1"
@@ -283,6 +296,13 @@ class ServerConfig:
     metrics_port: int | None = None
     log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
     log_json: bool | None = None
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = field(default=None, metadata={"choices": TOOL_CALL_PARSERS})
+    allowed_origins: str = '["*"]'
+    allowed_methods: str = '["*"]'
+    allowed_headers: str = '["*"]'
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.embedding_model is not None and self.embedding_model.lower() == "none":
@@ -311,7 +331,27 @@ class ServerConfig:
         for name, other in (("http_port", "port"), ("metrics_port", "port"), ("metrics_port", "http_port")):
             a, b = getattr(self, name), getattr(self, other)
             _check(not a or a != b, name, f"must differ from {other}")
-        _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
+        _check_choices(self)
+        _check(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "tool_call_parser",
+               "--enable-auto-tool-choice needs --tool-call-parser")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            self.cors_list(name)
+
+    def cors_list(self, name: str) -> list[str]:
+        """A CORS setting (``allowed_origins`` ...) parsed. Raises ValueError naming it unless a JSON list of
+        strings."""
+        try:
+            value = json.loads(getattr(self, name))
+        except ValueError:
+            value = None
+        _check(isinstance(value, list) and all(isinstance(v, str) for v in value), name,
+               f"must be a JSON list of strings, got {getattr(self, name)!r}")
+        return value
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of ``tool_choice: auto`` output: tool_call_parser when enable_auto_tool_choice is on."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def tls(self) -> bool:

@@ -181,7 +181,7 @@ def _error(r: httpx.Response) -> dict:
 @pytest.mark.parametrize("body,param", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"),
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"max_tokens": "many"}, "max_tokens"),
-    ({"messages": []}, "messages"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": []}, "messages"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"), ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),

@@ -157,7 +157,7 @@ def test_kv_cache_dtype_is_checked():
     from pagedserve.config import EngineConfig
     from pagedserve.engine.model_runner import kv_cache_dtype
 
-    with pytest.raises(ValueError, match="kv_cache_dtype: unknown dtype 'fp4'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype: unknown value 'fp4'"):
         EngineConfig(kv_cache_dtype="fp4")
     assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     assert kv_cache_dtype("bfloat16", torch.float32, torch.device("cpu")) == torch.bfloat16

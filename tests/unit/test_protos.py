@@ -126,7 +126,8 @@ def test_presence_where_a_zero_is_meaningful():
 
 def test_finish_reason_values():
     assert dict(pb.FinishReason.items()) == {"FINISH_REASON_UNSPECIFIED": 0, "FINISH_REASON_STOP": 1,
-                                             "FINISH_REASON_LENGTH": 2, "FINISH_REASON_ABORT": 3}
+                                             "FINISH_REASON_LENGTH": 2, "FINISH_REASON_ABORT": 3,
+                                             "FINISH_REASON_TOOL_CALLS": 4}
     field = pb.GenerateResponse.DESCRIPTOR.fields_by_name["finish_reason"]
     assert field.enum_type.name == "FinishReason"
 

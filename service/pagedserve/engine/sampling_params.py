@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import NoReturn
 
 from pagedserve.engine.beam_search import BeamSearchParams
@@ -39,7 +39,7 @@ MAX_ABS_LOGIT_BIAS = 100.0
 """``logit_bias`` values lie in [-100, 100] (OpenAI's bound: -100 bans a token, 100 forces it)."""
 MAX_LOGIT_BIAS_ENTRIES = 1024
 """Most ``logit_bias`` entries per request (each is one scattered add per step)."""
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_SHAPES = {"shapes_distribution": True}  # field metadata: reshapes or reports the distribution (not with beams)
 
 
 def _fail(name: str, message: str) -> NoReturn:
@@ -80,24 +80,32 @@ class SamplingParams:
     max_tokens: int | None = None        # new tokens per completion, >= 1; None: the room left in max_model_len
     min_tokens: int = 0                  # EOS and stop_token_ids are masked until this many new tokens exist
     temperature: float = 1.0             # >= 0; 0 (below 1e-5) is greedy
-    top_p: float = 1.0                   # nucleus mass, in (0, 1]; 1 is off
-    top_k: int = 0                       # keep the k most likely tokens; 0 is off
-    min_p: float = 0.0                   # drop tokens with prob < min_p * max prob; in [0, 1]; 0 is off
+    top_p: float = field(default=1.0, metadata=_SHAPES)                 # nucleus mass, in (0, 1]; 1 is off
+    top_k: int = field(default=0, metadata=_SHAPES)                     # keep the k most likely tokens; 0 is off
+    # drop tokens with prob < min_p * max prob; in [0, 1]; 0 is off
+    min_p: float = field(default=0.0, metadata=_SHAPES)
     seed: int | None = None              # this request's own generator seed, in [0, 2**64); None: shared generator
-    presence_penalty: float = 0.0        # OpenAI: subtracted once from each token already in the output; [-2, 2]
-    frequency_penalty: float = 0.0       # OpenAI: subtracted per occurrence in the output; [-2, 2]
-    repetition_penalty: float = 1.0      # CTRL / HF, over prompt + output tokens; > 0; 1 is off
+    # OpenAI: subtracted once from each token already in the output; [-2, 2]
+    presence_penalty: float = field(default=0.0, metadata=_SHAPES)
+    # OpenAI: subtracted per occurrence in the output; [-2, 2]
+    frequency_penalty: float = field(default=0.0, metadata=_SHAPES)
+    # CTRL / HF, over prompt + output tokens; > 0; 1 is off
+    repetition_penalty: float = field(default=1.0, metadata=_SHAPES)
     stop: tuple[str, ...] = ()           # <= MAX_STOP_STRINGS non-empty strings of <= MAX_STOP_STRING_CHARS
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the completion; <= MAX_STOP_TOKEN_IDS
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     ignore_eos: bool = False             # EOS is an ordinary token: it neither ends the completion nor is masked
     n: int = 1                           # completions for this prompt, in [1, MAX_N]
-    logprobs: int | None = None          # k >= 0: each new token's logprob, rank and the top-k alternatives
-    prompt_logprobs: int | None = None   # k >= 0: the same for each prompt token after the first
+    # k >= 0: each new token's logprob, rank and the top-k alternatives
+    logprobs: int | None = field(default=None, metadata=_SHAPES)
+    # k >= 0: the same for each prompt token after the first
+    prompt_logprobs: int | None = field(default=None, metadata=_SHAPES)
     skip_special_tokens: bool = True     # leave special tokens out of the text
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id; <= 1024
+    # (token id, bias added to its logit), sorted by id; <= 1024
+    logit_bias: tuple[tuple[int, float], ...] = field(default=(), metadata=_SHAPES)
     truncate_prompt_tokens: int | None = None  # >= 1: keep only the last k prompt tokens
-    structured_output: StructuredOutput | None = None  # a constraint on the text (a mapping is converted)
+    # a constraint on the text (a mapping is converted)
+    structured_output: StructuredOutput | None = field(default=None, metadata=_SHAPES)
     beam_search: BeamSearchParams | None = None  # beam search instead of sampling (a mapping is converted); then
                                          # temperature must be 0, n <= beam_width, and the fields that reshape or
                                          # report the distribution (top_p/k, min_p, penalties, logit_bias, logprobs,
@@ -116,12 +124,9 @@ class SamplingParams:
             _fail("temperature", f"must be 0 with beam_search, got {self.temperature}")
         if self.n > beam.beam_width:
             _fail("n", f"must be <= beam_search.beam_width ({beam.beam_width}), got {self.n}")
-        defaults = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "repetition_penalty": 1.0, "logit_bias": (), "logprobs": None, "prompt_logprobs": None,
-                    "structured_output": None}
-        for name, default in defaults.items():
-            if getattr(self, name) != default:
-                _fail(name, f"is not supported with beam_search (got {getattr(self, name)!r})")
+        for f in fields(self):
+            if f.metadata.get("shapes_distribution") and getattr(self, f.name) != f.default:
+                _fail(f.name, f"is not supported with beam_search (got {getattr(self, f.name)!r})")
 
     def __post_init__(self) -> None:
         self._normalize_sequences()
@@ -129,7 +134,7 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        for name in _FLOAT_FIELDS:
+        for name in FLOAT_FIELDS:
             object.__setattr__(self, name, _check_float(name, getattr(self, name)))
         if self.temperature < 0:
             _fail("temperature", f"must be >= 0, got {self.temperature}")
@@ -203,6 +208,10 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and k > max_logprobs:
                 _fail(name, f"must be <= {max_logprobs}, got {k}")
+
+
+FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type == "float")
+"""The fields that take a real number (ints are accepted and converted), from the annotations."""
 
 
 def _normalize_logit_bias(value: object) -> tuple[tuple[int, float], ...]:

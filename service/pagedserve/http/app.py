@@ -1,6 +1,7 @@
 """The ASGI app of the OpenAI-compatible API: routes, and one middleware for what every request goes through.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /v1/models``,
+``GET /v1/models/{model}``,
 ``GET /health``, ``GET /metrics`` (the server's Prometheus registry), ``POST /tokenize``, ``POST /detokenize``
 (vLLM's shapes); and what a router in front of several replicas asks (:mod:`.fleet_routes`):
 ``POST /v1/chat/completions/render``, ``POST /v1/completions/render``, ``GET /get_load``.
@@ -8,12 +9,15 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 :class:`GateMiddleware`: API keys (``Authorization: Bearer``, :class:`~pagedserve.serving.auth.ApiKeys`) on
 ``/v1/*``, ``/tokenize`` and ``/detokenize`` (``/health`` and ``/metrics`` stay open); 503 for
 API calls once shutdown has begun; 413 for a body over ``max_request_body_bytes`` (by Content-Length, or counted
-as a chunked body arrives); the count of requests in flight, which shutdown drains.
+as a chunked body arrives); the count of requests in flight, which shutdown drains. CORS preflights pass the
+gate to starlette's CORS middleware (vLLM's flags: ``allowed_origins``, ``allowed_methods``, ``allowed_headers``,
+``allow_credentials``; default any origin, method and header).
 """
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,6 +51,8 @@ class GateMiddleware:
             return await self.app(scope, receive, send)
         path: str = scope["path"]
         is_api = path.startswith(API_PREFIXES)
+        if _is_preflight(scope):  # answered by the CORS middleware; browsers send no credentials with it
+            return await self.app(scope, receive, send)
         if is_api and not self.api_keys.check_authorization(_header(scope, b"authorization")):
             return await self._reply(send, 401, "invalid or missing API key (Authorization: Bearer <key>)",
                                      "authentication_error", {"www-authenticate": "Bearer"})
@@ -92,6 +98,12 @@ class GateMiddleware:
         await response({"type": "http"}, None, send)
 
 
+def _is_preflight(scope) -> bool:
+    """A CORS preflight: OPTIONS with an Origin and Access-Control-Request-Method."""
+    return scope["method"] == "OPTIONS" and _header(scope, b"origin") is not None and \
+        _header(scope, b"access-control-request-method") is not None
+
+
 def _header(scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
@@ -103,7 +115,7 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
               ) -> tuple[FastAPI, GateMiddleware]:
     """The FastAPI app and its gate (whose ``num_in_flight`` shutdown drains)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(services)
+    serving = OpenAIServing(services, config.auto_tool_parser)
     app.add_exception_handler(errors.OpenAIError, errors.on_openai_error)
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
     app.add_exception_handler(StarletteHTTPException, errors.on_http_error)
@@ -121,10 +133,20 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
     async def embeddings(body: EmbeddingRequest):
         return await serving.embeddings(body)
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": name, "parent": None}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
-                                            "root": name, "parent": None} for name in serving.model_names()]}
+        return {"object": "list", "data": [card(name) for name in serving.model_names()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        """OpenAI's retrieve-model (the SDK's ``models.retrieve``); 404 ``model_not_found`` for another name."""
+        if model not in serving.model_names():
+            raise errors.OpenAIError(404, f"The model `{model}` does not exist", "not_found_error", "model",
+                                     "model_not_found")
+        return card(model)
 
     @app.get("/health")
     async def health():
@@ -156,6 +178,9 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
         return {"prompt": services.require_generation().detokenize(body.tokens, field="tokens")}
 
     app.include_router(build_fleet_router(services))
+    app.add_middleware(CORSMiddleware, allow_origins=config.cors_list("allowed_origins"),
+                       allow_methods=config.cors_list("allowed_methods"),
+                       allow_headers=config.cors_list("allowed_headers"), allow_credentials=config.allow_credentials)
     gate = GateMiddleware(app, services, api_keys, config.max_request_body_bytes)
     return app, gate
 

@@ -2,6 +2,8 @@
 errors name the body field (``param``) as the client wrote it."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 
@@ -13,12 +15,10 @@ from ..engine.structured_output import StructuredOutput
 from ..errors import InvalidInputError
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from .errors import OpenAIError
-from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from .token_bytes import TokenBytes
+from .protocol import SAMPLING_BODY_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 
 FINGERPRINT = "pagedserve-0.1.0"
-_VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-                "skip_special_tokens", "truncate_prompt_tokens")
-_OPENAI_SAMPLING = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
 
 
 def new_id(prefix: str) -> str:
@@ -45,12 +45,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens:
         InvalidInputError: a value out of range (field ``sampling.<name>``, shown to the client without the
             prefix), or a ``logit_bias`` key that is not a token id.
     """
-    kwargs: dict = {name: getattr(body, name) for name in _OPENAI_SAMPLING + _VLLM_EXTRAS
-                    if getattr(body, name) is not None}
-    if body.stop is not None:
-        kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
-    if body.stop_token_ids:
-        kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
+    kwargs: dict = {name: getattr(body, name) for name in SAMPLING_BODY_FIELDS if getattr(body, name) is not None}
     if body.logit_bias:
         try:
             kwargs["logit_bias"] = tuple((int(k), float(v)) for k, v in body.logit_bias.items())
@@ -72,11 +67,12 @@ def beam_search(body: ChatCompletionRequest | CompletionRequest) -> BeamSearchPa
     Raises:
         InvalidInputError: n < 2, or a bad length_penalty / early_stopping (the field as the body names it).
     """
-    if body.n < 2:
-        raise InvalidInputError(f"must be >= 2 with use_beam_search (it is the beam width), got {body.n}",
+    n = 1 if body.n is None else body.n
+    if n < 2:
+        raise InvalidInputError(f"must be >= 2 with use_beam_search (it is the beam width), got {n}",
                                 "sampling.n")
     try:
-        return BeamSearchParams(body.n, 1.0 if body.length_penalty is None else body.length_penalty,
+        return BeamSearchParams(n, 1.0 if body.length_penalty is None else body.length_penalty,
                                 bool(body.early_stopping))
     except InvalidInputError as exc:
         name = exc.field.removeprefix("beam_search.")
@@ -143,31 +139,71 @@ def _from_vllm(so: dict) -> dict:
     return {_VLLM_KINDS[k]: v for k, v in so.items() if k in _VLLM_KINDS and v not in (None, False)}
 
 
+def with_tool_constraint(body: ChatCompletionRequest, params: SamplingParams, schema: dict) -> SamplingParams:
+    """``params`` holding the output to ``schema`` (tool_choice required / named).
+
+    Raises:
+        OpenAIError: 400 naming ``tool_choice`` when the body asks for another constraint as well.
+    """
+    other = structured_output(body)
+    if other is not None:
+        raise OpenAIError(400, f"a required or named tool choice cannot be combined with {other[1]}",
+                          param="tool_choice")
+    return dataclasses.replace(params, structured_output=StructuredOutput(json_schema=schema))
+
+
 def public_constraint_error(exc: InvalidInputError, body) -> OpenAIError | None:
     """A compile error of the body's constraint (``sampling.structured_output.*``) as a 400 naming the body field
     that gave it (``response_format``, ``guided_json``, ...); None for any other error."""
     if not (exc.field or "").startswith("sampling.structured_output"):
         return None
     constraint = structured_output(body)
-    param = constraint[1] if constraint else "structured_output"
+    param = constraint[1] if constraint else ("tools" if getattr(body, "tools", None) else "structured_output")
     return OpenAIError(400, str(exc).removeprefix(f"{exc.field}: "), param=param)
 
 
 def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
-    """The chat messages as a prompt; a content list keeps its text parts (joined), other parts are a 400."""
+    """The chat messages (and ``tools``) as a prompt; a content list keeps its text parts (joined), other parts are
+    a 400. Assistant ``tool_calls`` keep their ids and names with the arguments parsed from their JSON text (chat
+    templates render them as objects, as in vLLM); a tool message keeps its ``tool_call_id``."""
     messages = []
     for i, m in enumerate(body.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIError(400, f"content part type {part.get('type')!r} is not supported (text only)",
-                                      param=f"messages[{i}].content[{j}]", code="unsupported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        messages.append({"role": m.role, "content": content or ""})
-    return ChatPrompt(tuple(messages), body.add_generation_prompt)
+        message = {"role": m.role, "content": _content_text(m.content, i) or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    tools = getattr(body, "tools", None)
+    return ChatPrompt(tuple(messages), body.add_generation_prompt, tools=tuple(tools) if tools else None)
+
+
+def _content_text(content, i: int) -> str | None:
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise OpenAIError(400, f"content part type {part.get('type')!r} is not supported (text only)",
+                              param=f"messages[{i}].content[{j}]", code="unsupported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _template_call(call: dict, param: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise OpenAIError(400, 'must be {"id", "type": "function", "function": {"name", "arguments"}}', param=param)
+    arguments = fn.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise OpenAIError(400, "must be a JSON text", param=f"{param}.function.arguments") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
 
 
 def completion_prompts(prompt) -> list[Prompt]:
@@ -207,11 +243,12 @@ class UsageSum:
 
 
 class TokenText:
-    """Token id -> its text as a client sees it (the id decoded alone), cached."""
+    """Token id -> its text as a client sees it (the id decoded alone), cached; ``bytes(id)`` its own bytes."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self.bytes = TokenBytes(tokenizer)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of a token sequence (special tokens kept)."""
@@ -225,10 +262,9 @@ class TokenText:
 
 
 def chat_logprobs(lps: list[TokenLogprobs], text: TokenText) -> list[dict]:
-    """OpenAI chat ``logprobs.content`` entries."""
+    """OpenAI chat ``logprobs.content`` entries; ``bytes`` are the token's own (a piece of a character's UTF-8)."""
     def entry(tid: int, lp: float) -> dict:
-        s = text(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": text(tid), "logprob": lp, "bytes": list(text.bytes(tid))}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
@@ -248,6 +284,8 @@ class CompletionLogprobs:
         s = self._text(token_id)
         self.tokens.append(s)
         self.token_logprobs.append(logprob)
+        if top is not None:  # the chosen (or prompt) token next to the top k, as OpenAI and vLLM report it
+            top = [(token_id, logprob), *((t, v) for t, v in top if t != token_id)]
         self.top_logprobs.append(None if top is None else {self._text(t): v for t, v in top})
         self.text_offset.append(self.offset)
         self.offset += len(s)

@@ -6,6 +6,8 @@ default would be 422) with ``param`` naming the field.
 """
 from __future__ import annotations
 
+import re
+
 import structlog
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -69,8 +71,30 @@ def public_param(field: str | None) -> str | None:
     return field.removeprefix("sampling.")
 
 
+# pydantic puts the member of a union that failed into ``loc`` (``("input", "list[str]", 0)``); not a body field.
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
+
+
+def as_sent(exc: errors.PagedServeError, renames: dict[str, str]) -> errors.PagedServeError:
+    """``exc`` with its field's leading name replaced as ``renames`` says (the engine's ``max_tokens`` ->
+    the body's ``max_completion_tokens``, ``inputs[1]`` -> ``input[1]``), so ``param`` is the field as sent."""
+    field = public_param(exc.field)
+    head = re.match(r"[A-Za-z_]*(\[0\])?", field or "").group(0)
+    if head not in renames:
+        head = re.match(r"[A-Za-z_]*", field or "").group(0)
+    if not head or head not in renames:
+        return exc
+    message = str(exc).removeprefix(f"{exc.field}: ")
+    return type(exc)(message, renames[head] + field[len(head):])
+
+
 def _loc_to_param(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p != "body"]
+    """pydantic's error location as the client spells the field: ``messages[0].content``."""
+    parts = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)

@@ -22,12 +22,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..embedding.interface import EmbedInputs
 from ..engine.llm_engine import CompletionDelta
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, PagedServeError
 from ..serving.generation import GenerateCall, GenerationService
 from ..serving.prompts import TextPrompt
 from ..serving.services import Services
+from ..tool_calls import plan_tools
 from . import convert as cv
-from .errors import OpenAIError, error_body, from_exception
+from .chat_shaper import ChatShaper
+from .errors import OpenAIError, as_sent, error_body, from_exception
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 
@@ -36,10 +38,13 @@ class OpenAIServing:
 
     Args:
         services: the process's services; ``model`` must carry their served names (a missing ``model`` takes it).
+        auto_tool_parser: the --tool-call-parser when --enable-auto-tool-choice is on (``tool_choice: auto``),
+            else None.
     """
 
-    def __init__(self, services: Services):
+    def __init__(self, services: Services, auto_tool_parser: str | None = None):
         self.services = services
+        self.auto_tool_parser = auto_tool_parser
         self.generation_name = services.generation_name
         self.embedding_name = services.embedding_name
 
@@ -60,29 +65,62 @@ class OpenAIServing:
 
     # ---- chat / completions ------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        """``/v1/chat/completions``; an error names the body field as sent (see :func:`.errors.as_sent`)."""
+        renames = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
+        if body.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        try:
+            return await self._chat(body, request)
+        except PagedServeError as exc:
+            raise as_sent(exc, renames) from None
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        """``/v1/completions``; an error names the body field as sent."""
+        try:
+            return await self._completions(body, request)
+        except PagedServeError as exc:
+            raise as_sent(exc, {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}) from None
+
+    async def embeddings(self, body: EmbeddingRequest) -> dict:
+        """``/v1/embeddings``; an error names the body field as sent (``input``, ``input[i]``)."""
+        try:
+            return await self._embeddings(body)
+        except PagedServeError as exc:
+            if isinstance(body.input, str) and (exc.field or "").startswith("inputs[0]"):
+                raise as_sent(exc, {"inputs[0]": "input"}) from None  # one text: no index to name
+            raise as_sent(exc, {"inputs": "input"}) from None
+
+    async def _chat(self, body: ChatCompletionRequest, request: Request):
         cv.check_unsupported(body)
+        _check_stream_options(body)
         generation = self.services.require_generation()
         model = self._check_model(body.model, self.generation_name, "generation")
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = cv.sampling_params(body, body.max_completion_tokens or body.max_tokens, k)
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.auto_tool_parser)
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        params = cv.sampling_params(body, max_tokens, k)
+        if plan is not None and plan.schema is not None:
+            params = cv.with_tool_constraint(body, params, plan.schema)
         calls = [GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt)]
         stream = _Stream(generation, calls, params.n)
         await _open(stream, body)
-        shaper = _ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), params.n,
-                             k is not None)
+        shaper = ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), params.n,
+                            k is not None, plan)
         if body.stream:
             return _sse(stream, shaper, body.stream_options)
         return _json_or_gone(await _collect(stream, shaper, request))
 
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def _completions(self, body: CompletionRequest, request: Request):
         cv.check_unsupported(body)
+        _check_stream_options(body)
         generation = self.services.require_generation()
         model = self._check_model(body.model, self.generation_name, "generation")
         prompts = cv.completion_prompts(body.prompt)
         echo_lps = body.logprobs if body.echo and body.logprobs is not None else None
-        params = cv.sampling_params(body, body.max_tokens, body.logprobs, echo_lps)
+        prompt_only = body.echo and body.max_tokens == 0  # vLLM's scoring path: the prompt and its logprobs only
+        params = cv.sampling_params(body, 1 if prompt_only else body.max_tokens, body.logprobs, echo_lps)
         rid = body.request_id
         calls = [GenerateCall(p, params, f"{rid}-{i}" if rid and len(prompts) > 1 else rid, body.priority,
                               body.cache_salt) for i, p in enumerate(prompts)]
@@ -91,13 +129,14 @@ class OpenAIServing:
         text = cv.TokenText(generation.tokenizer)
         echo = [(p.text if isinstance(p, TextPrompt) else text.decode(ids), ids)
                 for p, ids in zip(prompts, prompt_ids)] if body.echo else None
-        shaper = _CompletionShaper(cv.new_id("cmpl"), model, text, params.n, body.logprobs is not None, echo)
+        shaper = _CompletionShaper(cv.new_id("cmpl"), model, text, params.n, body.logprobs is not None, echo,
+                                   prompt_only)
         if body.stream:
             return _sse(stream, shaper, body.stream_options)
         return _json_or_gone(await _collect(stream, shaper, request))
 
     # ---- embeddings --------------------------------------------------------------------------------------------
-    async def embeddings(self, body: EmbeddingRequest) -> dict:
+    async def _embeddings(self, body: EmbeddingRequest) -> dict:
         embedding = self.services.require_embedding()
         model = self._check_model(body.model, self.embedding_name, "embedding")
         inputs: EmbedInputs
@@ -116,6 +155,12 @@ class OpenAIServing:
             data.append({"object": "embedding", "index": i, "embedding": value})
         return {"object": "list", "model": model, "data": data,
                 "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
+
+
+def _check_stream_options(body) -> None:
+    """``stream_options`` goes with ``stream: true`` only (OpenAI and vLLM refuse it alone)."""
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(400, "is only allowed with stream: true", param="stream_options")
 
 
 async def _open(stream: "_Stream", body) -> list[list[int]]:
@@ -185,70 +230,16 @@ class _Stream:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class _ChatShaper:
-    """Chat completion responses and chunks."""
-
-    def __init__(self, rid: str, model: str, text: cv.TokenText, n: int, logprobs: bool):
-        self.rid, self.model, self.text, self.n, self.logprobs = rid, model, text, n, logprobs
-        self.created = cv.now_s()
-        self.usage = cv.UsageSum()
-        self._started: set[int] = set()
-        self._choices: dict[int, dict] = {}
-
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        out = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "system_fingerprint": cv.FINGERPRINT, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    def chunks(self, prompt_index: int, d: CompletionDelta) -> list[dict]:
-        index = prompt_index * self.n + d.index
-        out = []
-        if index not in self._started:
-            self._started.add(index)
-            out.append(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]))
-        if d.usage is not None:
-            self.usage.add(d.usage)
-        if d.text or d.token_ids or d.finish_reason is not None:
-            choice = {"index": index, "delta": {"content": d.text} if d.text else {},
-                      "logprobs": {"content": cv.chat_logprobs(d.logprobs or [], self.text)}
-                      if self.logprobs and d.logprobs else None, "finish_reason": d.finish_reason}
-            if d.finish_reason is not None:
-                choice["stop_reason"] = d.matched_stop
-            out.append(self._chunk([choice]))
-        return out
-
-    def usage_chunk(self) -> dict:
-        return self._chunk([], self.usage.as_dict())
-
-    def add(self, prompt_index: int, d: CompletionDelta) -> None:
-        index = prompt_index * self.n + d.index
-        c = self._choices.setdefault(index, {"index": index, "text": [], "lps": [], "finish": None, "stop": None})
-        c["text"].append(d.text)
-        c["lps"].extend(d.logprobs or [])
-        if d.finish_reason is not None:
-            c["finish"], c["stop"] = d.finish_reason, d.matched_stop
-        if d.usage is not None:
-            self.usage.add(d.usage)
-
-    def response(self) -> dict:
-        choices = [{"index": c["index"], "message": {"role": "assistant", "content": "".join(c["text"])},
-                    "logprobs": {"content": cv.chat_logprobs(c["lps"], self.text)} if self.logprobs else None,
-                    "finish_reason": c["finish"], "stop_reason": c["stop"]}
-                   for _, c in sorted(self._choices.items())]
-        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": cv.FINGERPRINT, "choices": choices, "usage": self.usage.as_dict()}
-
-
 class _CompletionShaper:
-    """Text completion responses and chunks; ``echo_ids`` (per prompt) prepends each prompt's text."""
+    """Text completion responses and chunks; ``echo`` (per prompt) prepends each prompt's text; ``prompt_only``
+    (echo with max_tokens 0) drops the one token the engine sampled: text, logprobs and usage show the prompt
+    alone."""
 
     def __init__(self, rid: str, model: str, text: cv.TokenText, n: int, logprobs: bool,
-                 echo: list[tuple[str, list[int]]] | None):
+                 echo: list[tuple[str, list[int]]] | None, prompt_only: bool = False):
         self.rid, self.model, self.text, self.n, self.logprobs = rid, model, text, n, logprobs
         self.echo = echo                   # per prompt: (its text, its token ids), when echo was asked for
+        self.prompt_only = prompt_only
         self.created = cv.now_s()
         self.usage = cv.UsageSum()
         self._seen: set[int] = set()
@@ -272,15 +263,23 @@ class _CompletionShaper:
                     for pos, tid in enumerate(ids):
                         lp = by_pos.get(pos)
                         lps.add_token(tid, None if lp is None else lp.logprob, None if lp is None else lp.top)
-        if lps is not None:
+        if lps is not None and not self.prompt_only:
             lps.add(d.logprobs or [])
         return prefix, lps
 
-    def chunks(self, prompt_index: int, d: CompletionDelta) -> list[dict]:
-        prefix, lps = self._choice_lps(prompt_index, d)
+    def _text_of(self, prefix: str, d: CompletionDelta) -> str:
+        return prefix if self.prompt_only else prefix + d.text
+
+    def _add_usage(self, d: CompletionDelta) -> None:
         if d.usage is not None:
             self.usage.add(d.usage)
-        choice = {"index": prompt_index * self.n + d.index, "text": prefix + d.text,
+            if self.prompt_only:
+                self.usage.completion = 0
+
+    def chunks(self, prompt_index: int, d: CompletionDelta) -> list[dict]:
+        prefix, lps = self._choice_lps(prompt_index, d)
+        self._add_usage(d)
+        choice = {"index": prompt_index * self.n + d.index, "text": self._text_of(prefix, d),
                   "logprobs": lps.take() if lps is not None else None, "finish_reason": d.finish_reason}
         if d.finish_reason is not None:
             choice["stop_reason"] = d.matched_stop
@@ -295,11 +294,10 @@ class _CompletionShaper:
         prefix, _ = self._choice_lps(prompt_index, d)
         index = prompt_index * self.n + d.index
         c = self._choices.setdefault(index, {"index": index, "text": [], "finish": None, "stop": None})
-        c["text"].append(prefix + d.text)
+        c["text"].append(self._text_of(prefix, d))
         if d.finish_reason is not None:
             c["finish"], c["stop"] = d.finish_reason, d.matched_stop
-        if d.usage is not None:
-            self.usage.add(d.usage)
+        self._add_usage(d)
 
     def response(self) -> dict:
         choices = [{"index": i, "text": "".join(c["text"]),

@@ -7,13 +7,17 @@ APIs give the same answer for the same value.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from ..engine.sampling_params import SamplingParams
 
 # Fields of OpenAI's chat/completions bodies that ask for what this server does not do.
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-                      "modalities", "prediction", "web_search_options", "suffix", "best_of")
+UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
+                      "suffix", "best_of")
 
 
 class _Body(BaseModel):
@@ -25,33 +29,38 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _SamplingBody(_Body):
-    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
+# SamplingParams fields a body carries under another name or shape (set by ``convert.sampling_params`` from
+# ``max_tokens`` / ``max_completion_tokens``, ``logprobs`` / ``top_logprobs`` / ``echo``, ``response_format`` and
+# the other constraint fields, ``use_beam_search``).
+SAMPLING_SHAPED_FIELDS = ("max_tokens", "logprobs", "prompt_logprobs", "structured_output", "beam_search")
+# How a body spells the SamplingParams fields whose JSON type differs from the engine's (OpenAI's types).
+_WIRE_TYPES = {"stop": str | list[str] | None, "stop_token_ids": list[int] | None,
+               "logit_bias": dict[str, float] | None}
+
+
+def _sampling_fields() -> dict:
+    """pydantic field definitions of every SamplingParams field a body carries as is, optional (None: the
+    engine's default), typed from the dataclass's annotations; the one list of sampling fields is the dataclass."""
+    hints = typing.get_type_hints(SamplingParams)
+    return {f.name: (_WIRE_TYPES.get(f.name, hints[f.name] | None), None)
+            for f in dataclasses.fields(SamplingParams) if f.name not in SAMPLING_SHAPED_FIELDS}
+
+
+_SamplingFields = create_model("_SamplingFields", __base__=_Body, **_sampling_fields())
+SAMPLING_BODY_FIELDS = tuple(_SamplingFields.model_fields)
+"""The SamplingParams fields both bodies carry under their own name (every field but the shaped ones)."""
+
+
+class _SamplingBody(_SamplingFields):
+    """Sampling fields shared by chat and completions: SamplingParams' (OpenAI's and vLLM's names are the
+    engine's), then the request options."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None              # accepted, ignored
-    # vLLM's extra sampling parameters
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
     priority: int = 0
     cache_salt: str | None = None
-    truncate_prompt_tokens: int | None = None
     request_id: str | None = None        # vLLM: the engine request id (default: random)
     use_beam_search: bool = False        # vLLM: beam search with beam width n; n completions in score order
     length_penalty: float | None = None  # vLLM (beam search): HF's length_penalty, default 1.0
@@ -69,6 +78,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # assistant: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None      # tool: the call this message answers
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -78,6 +89,9 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True   # vLLM extra
+    tools: list[dict] | None = None      # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingBody):

@@ -59,7 +59,7 @@ class App:
         if self.api_keys.enabled:
             interceptors.insert(1, AuthInterceptor(self.api_keys, SERVICE_NAME))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_config.grpc_options())
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.services), self.server)
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.services, server_config.auto_tool_parser), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), self.server)
         self.http = None

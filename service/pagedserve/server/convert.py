@@ -5,6 +5,8 @@ descriptor, and a test checks that its fields and the engine's :class:`SamplingP
 """
 from __future__ import annotations
 
+import json
+
 from google.protobuf.descriptor import FieldDescriptor
 
 from pagedserve_client.v1 import inference_pb2 as pb
@@ -77,10 +79,32 @@ _MESSAGE_FIELDS = {"structured_output": structured_output_from_proto}
 
 
 def messages_from_proto(msgs: pb.ChatMessages, field: str) -> tuple[dict, ...]:
-    """Chat messages as ``{"role", "content"}`` dicts. Raises InvalidInputError (``field``) when empty."""
+    """Chat messages as ``{"role", "content"}`` dicts, with ``tool_calls`` (arguments parsed, as templates render
+    them), ``tool_call_id`` and ``name`` when set. Raises InvalidInputError (``field``) when empty, or naming a
+    call's arguments that are not JSON."""
     if not msgs.messages:
         raise InvalidInputError("needs at least one message", field)
-    return tuple({"role": m.role, "content": m.content} for m in msgs.messages)
+    return tuple(_message(m, f"{field}[{i}]") for i, m in enumerate(msgs.messages))
+
+
+def _message(m: pb.ChatMessage, field: str) -> dict:
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": _arguments(c.arguments, f"{field}.tool_calls[{j}]")}}
+            for j, c in enumerate(m.tool_calls)]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _arguments(text: str, field: str) -> dict:
+    try:
+        return json.loads(text or "{}")
+    except ValueError:
+        raise InvalidInputError("must be JSON text", f"{field}.arguments") from None
 
 
 def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:

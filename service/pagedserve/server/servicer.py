@@ -9,22 +9,26 @@ from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 
 from ..errors import InvalidInputError
 from ..serving.services import Services
-from . import convert
+from . import convert, tool_convert
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     """Implements pagedserve.v1.InferenceService over :class:`~pagedserve.serving.services.Services` (filled in
     once the models are loaded): each method maps proto to plain types and back, nothing more."""
 
-    def __init__(self, services: Services):
+    def __init__(self, services: Services, auto_tool_parser: str | None = None):
         self.services = services
+        self.auto_tool_parser = auto_tool_parser  # --tool-call-parser when --enable-auto-tool-choice is on
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         generation = self.services.require_generation()
-        call = convert.generate_call_from_proto(request)
+        plan = tool_convert.tool_plan_from_proto(request, self.auto_tool_parser)
+        call = tool_convert.with_tools(convert.generate_call_from_proto(request), plan)
+        tools = tool_convert.ToolDeltas(plan) if plan is not None and plan.mode != "none" else None
         tokenizer = generation.tokenizer
         async for delta in generation.generate(call):
-            yield convert.delta_to_proto(delta, tokenizer)
+            msg = convert.delta_to_proto(delta, tokenizer)
+            yield tools.apply(delta, msg) if tools is not None else msg
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         return await self._embed(request, 0)

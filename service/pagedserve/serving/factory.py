@@ -73,7 +73,8 @@ class ServiceFactory:
         front = AsyncEngine(engine, on_dead=on_dead)
         front.start()
         metrics.bind_engine(engine.stats, served_name, info.tensor_parallel_size)
-        return GenerationService(front, info, metrics, served_name)
+        template = load_chat_template(self.server_config.chat_template)
+        return GenerationService(front, info, metrics, served_name, template)
 
     async def _embedding(self, generation: GenerationService | None) -> EmbeddingService:
         from ..embedding.decoder import LLMEmbedder, build_decoder_engine, decoder_embedding_config
@@ -104,6 +105,18 @@ class ServiceFactory:
         embedder = Embedder.from_pretrained(path or embedded_embedding_path())
         threads = self.server_config.embed_threads or default_num_threads(shares_cpu, embedder.device)
         return EmbedBatcher(embedder, self.server_config.max_embed_batch_tokens, num_threads=threads)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a template (has ``{{`` or ``{%``) as vLLM
+    accepts. Raises ValueError (naming the flag) for a path that is not a readable file."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
 
 
 async def in_daemon_thread(fn, *args):

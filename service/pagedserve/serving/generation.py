@@ -46,11 +46,14 @@ class GenerationService:
         info: what the engine was built with.
         metrics: the server's metrics; request metrics are recorded here.
         served_name: the metrics' ``model_name`` label (default: ``info.name``).
+        chat_template: a Jinja template used for chat prompts instead of the model's (--chat-template).
     """
 
-    def __init__(self, engine: AsyncEngine, info: EngineInfo, metrics: ServerMetrics, served_name: str | None = None):
+    def __init__(self, engine: AsyncEngine, info: EngineInfo, metrics: ServerMetrics, served_name: str | None = None,
+                 chat_template: str | None = None):
         self.engine = engine
         self.info = info
+        self.chat_template = chat_template
         self._metered = MeteredEngine(engine, metrics, served_name or info.name)
 
     @property
@@ -69,7 +72,7 @@ class GenerationService:
     async def render(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, tokenized off the event loop (tokenizers releases the GIL, so a multi-megabyte
         prompt does not stall other calls). Raises InvalidInputError naming the prompt's field."""
-        return await asyncio.to_thread(render_prompt, prompt, self.tokenizer)
+        return await asyncio.to_thread(render_prompt, prompt, self.tokenizer, self.chat_template)
 
     async def prepare(self, call: GenerateCall) -> list[int]:
         """Check the call's bounded fields and render its prompt. A text prompt that cannot fit ``max_model_len``

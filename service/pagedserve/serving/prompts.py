@@ -26,33 +26,39 @@ class TokenPrompt:
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    messages: tuple[dict, ...]         # {"role": str, "content": str} each
+    messages: tuple[dict, ...]         # {"role", "content"} each; also "tool_calls" / "tool_call_id" / "name"
     add_generation_prompt: bool = True  # end with the assistant turn's opening (HF ``apply_chat_template``)
     field: str = "messages"
+    tools: tuple[dict, ...] | None = None  # OpenAI tool objects, the template's ``tools`` variable
 
 
 Prompt = TextPrompt | TokenPrompt | ChatPrompt
 
 
-def apply_chat_template(tokenizer, messages: list[dict], field: str, add_generation_prompt: bool = True) -> list[int]:
-    """Render chat messages with the model's template and tokenize (HF ``apply_chat_template`` semantics).
+def apply_chat_template(tokenizer, messages: list[dict], field: str, add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
+    """Render chat messages with the model's template (or ``chat_template``, the server's --chat-template) and
+    tokenize (HF ``apply_chat_template`` semantics; ``tools`` is the template's ``tools`` variable, which a
+    template without one ignores).
 
     Raises:
         InvalidInputError: no messages, no chat template, or the template rejected them (field ``field``).
     """
     if not messages:
         raise InvalidInputError("needs at least one message", field)
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise InvalidInputError("the model has no chat template; send a prompt or token ids instead", field)
     try:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                            tools=tools, chat_template=chat_template)
     except Exception as exc:  # jinja errors from bad roles or content
         raise InvalidInputError(f"the chat template rejected the messages: {exc}", field) from exc
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def render_prompt(prompt: Prompt, tokenizer) -> list[int]:
-    """The prompt's token ids. Tokenizing is CPU work: call it off the event loop for long prompts.
+def render_prompt(prompt: Prompt, tokenizer, chat_template: str | None = None) -> list[int]:
+    """The prompt's token ids (``chat_template`` overrides the model's). Tokenizing is CPU work: call it off the
+    event loop for long prompts.
 
     Raises:
         InvalidInputError: see :func:`apply_chat_template`; an empty token list (field of the prompt).
@@ -62,5 +68,6 @@ def render_prompt(prompt: Prompt, tokenizer) -> list[int]:
     if isinstance(prompt, TokenPrompt):
         return list(prompt.token_ids)
     if isinstance(prompt, ChatPrompt):
-        return apply_chat_template(tokenizer, list(prompt.messages), prompt.field, prompt.add_generation_prompt)
+        return apply_chat_template(tokenizer, list(prompt.messages), prompt.field, prompt.add_generation_prompt,
+                                   list(prompt.tools) if prompt.tools else None, chat_template)
     raise TypeError(f"not a prompt: {type(prompt).__name__}")

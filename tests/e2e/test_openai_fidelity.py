@@ -1,0 +1,148 @@
+"""What SDKs, scorers and browsers rely on, against the session server: options that only go together, every
+400's ``param`` as the client spelled the field, prompt scoring (``echo`` + ``max_tokens: 0``), logprobs as the
+reference defines them (completions' top_logprobs with the chosen token, chat's per-token ``bytes``), CORS and
+``GET /v1/models/{model}``."""
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from support import free_port, server_sharing_model
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.http_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": False,
+                         "stream_options": {"include_usage": True}}),
+])
+def test_stream_options_without_stream_is_400(http, path, body):
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "stop": ["x"] * 17}, "stop"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stop": [""]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 10**4}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 100_000}]}, "messages"),
+    ("/v1/completions", {"prompt": [10**7]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 10**4}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 10**4, "max_tokens": 1}, "logprobs"),
+    ("/v1/embeddings", {"input": []}, "input"),
+    ("/v1/embeddings", {"input": [[101, 102], [10**7]]}, "input[1]"),
+    ("/v1/embeddings", {"input": 5}, "input"),
+])
+def test_400_param_is_the_body_field_as_sent(http, path, body, param):
+    r = http.post(path, json={"max_tokens": 4, **body} if path != "/v1/embeddings" else body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert "sampling." not in error["message"] and "inputs" not in error["message"]
+
+
+def test_scored_prompt_echo_with_max_tokens_0_matches_the_engine_prompt_logprobs(oai, client):
+    prompt = "The capital of France is Paris."
+    r = oai.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, logprobs=2, temperature=0)
+    choice = r.choices[0]
+    assert choice.text == prompt and r.usage.completion_tokens == 0
+    lps = choice.logprobs
+    assert "".join(lps.tokens) == prompt and lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    msgs = list(client.generate(prompt=prompt, max_tokens=1, temperature=0, prompt_logprobs=2))
+    engine = [e.logprob for m in msgs for e in m.prompt_logprobs]
+    assert len(engine) == len(lps.tokens) - 1
+    assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) for a, b in zip(lps.token_logprobs[1:], engine))
+    streamed = list(oai.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, logprobs=2,
+                                           stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt
+
+
+def test_echo_with_max_tokens_0_and_no_logprobs_returns_the_prompt(oai):
+    r = oai.completions.create(model=MODEL, prompt="Hello there", echo=True, max_tokens=0)
+    assert r.choices[0].text == "Hello there" and r.usage.completion_tokens == 0
+
+
+def test_completion_top_logprobs_include_the_chosen_token(oai):
+    r = oai.completions.create(model=MODEL, prompt="Once upon a", max_tokens=6, temperature=1.0, seed=7, logprobs=1,
+                               echo=True)
+    lps = r.choices[0].logprobs
+    for token, lp, top in zip(lps.tokens[1:], lps.token_logprobs[1:], lps.top_logprobs[1:]):
+        assert top[token] == pytest.approx(lp) and 1 <= len(top) <= 2
+
+
+def test_chat_logprob_bytes_join_to_a_character_split_over_tokens(oai, tokenizer):
+    char = next(c for c in "龘鱻靐齉" if len(tokenizer.encode(c, add_special_tokens=False)) > 1)
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, logprobs=True, top_logprobs=2,
+                                    extra_body={"guided_choice": [char + "!"]})
+    content = r.choices[0].logprobs.content
+    joined = b"".join(bytes(e.bytes) for e in content)
+    assert joined.decode("utf-8") == char + "!" == r.choices[0].message.content
+    assert len(content) > 2  # the character came in pieces, each with its own bytes
+    assert any(_not_utf8(bytes(e.bytes)) for e in content)
+    for e in content:
+        for alt in e.top_logprobs:
+            assert alt.bytes is not None
+
+
+def _not_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def test_cors_preflight_and_simple_request_with_defaults(http):
+    r = http.options("/v1/chat/completions", headers={"Origin": "https://page.example",
+                                                      "Access-Control-Request-Method": "POST",
+                                                      "Access-Control-Request-Headers": "content-type,authorization"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = http.get("/v1/models", headers={"Origin": "https://page.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_models_retrieve(oai, http):
+    model = oai.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    r = http.get("/v1/models/no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_cors_preflight_needs_no_api_key_but_the_call_does(server):
+    with server_sharing_model(server, http_port=free_port(), server_kwargs={"api_key": "sekret"}) as keyed, \
+            httpx.Client(base_url=keyed.http_url, timeout=60) as http:
+        pre = http.options("/v1/models", headers={"Origin": "https://page.example",
+                                                   "Access-Control-Request-Method": "GET",
+                                                   "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+        assert http.get("/v1/models", headers={"Origin": "https://page.example"}).status_code == 401
+        ok = http.get("/v1/models", headers={"Origin": "https://page.example", "Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
