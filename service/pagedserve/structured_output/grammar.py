@@ -20,9 +20,9 @@ import llguidance
 import llguidance.hf
 import torch
 
-from ...errors import InvalidInputError
+from ..errors import InvalidInputError
 from .bitmask import bitmask_words
-from .params import StructuredOutput
+from ..sampling_params import StructuredOutput
 
 # JSON is compiled with fixed separators (", " and ": ") and no free whitespace: a small model left free to emit
 # whitespace can spend its whole token budget on it.
@@ -67,10 +67,6 @@ class GrammarMatcher:
         if not self._m.consume_token(token_id):
             raise RuntimeError(f"the grammar rejected token {token_id}: {self._m.get_error()}")
         self.num_tokens += 1
-
-    def can_end(self) -> bool:
-        """True when the text so far is complete (EOS is allowed here)."""
-        return self._m.is_accepting()
 
     def is_terminated(self) -> bool:
         """True when no token but EOS can follow: the completion is done."""

@@ -12,44 +12,12 @@ length), or when no candidate can go on.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InvalidInputError
-
-MAX_BEAM_WIDTH = 16
-"""Most beams per request (``beam_search.beam_width``): each holds a decode slot and its own KV blocks."""
-
-
-@dataclass(frozen=True, slots=True)
-class BeamSearchParams:
-    """A request's beam search settings (proto ``BeamSearch``; HF's ``num_beams``, ``length_penalty``,
-    ``early_stopping``).
-
-    Raises:
-        InvalidInputError: ``beam_width`` outside [2, MAX_BEAM_WIDTH], ``length_penalty`` not finite,
-            ``early_stopping`` not a bool; the field is ``beam_search.<name>``.
-    """
-
-    beam_width: int                 # beams kept each step, in [2, MAX_BEAM_WIDTH]
-    length_penalty: float = 1.0     # exponent of the generated length dividing a finished hypothesis' logprob
-    early_stopping: bool = False    # stop once beam_width hypotheses are finished
-
-    def __post_init__(self) -> None:
-        w = self.beam_width
-        if isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= MAX_BEAM_WIDTH:
-            raise InvalidInputError(f"must be an integer in [2, {MAX_BEAM_WIDTH}], got {w!r}",
-                                    "beam_search.beam_width")
-        lp = self.length_penalty
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
-            raise InvalidInputError(f"must be a finite number, got {lp!r}", "beam_search.length_penalty")
-        object.__setattr__(self, "length_penalty", float(lp))
-        if not isinstance(self.early_stopping, bool):
-            raise InvalidInputError(f"must be a bool, got {self.early_stopping!r}", "beam_search.early_stopping")
-
+from ..sampling_params import BeamSearchParams
 
 @dataclass(slots=True)
 class Candidate:

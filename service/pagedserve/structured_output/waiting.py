@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import InvalidInputError
+from ..errors import InvalidInputError
 
 COMPILE_TIMEOUT_S = 10.0
 """Longest a request waits for its grammar (queueing on the compile threads included) before it fails with
@@ -56,9 +56,6 @@ class GrammarWaitList:
                 keep.append(w)
         self._entries = keep
         return out
-
-    def discard(self, key) -> None:
-        self._entries = [w for w in self._entries if w.key is not key]
 
     def wait(self, timeout_s: float) -> None:
         """Block until some compile finishes, the first deadline passes, or ``timeout_s``."""

@@ -13,7 +13,7 @@ def draft_bitmasks(matcher, drafts: list[int]) -> tuple[list[int], torch.Tensor]
     """Trim ``drafts`` to what the grammar allows and compute the mask at each position.
 
     Args:
-        matcher: the completion's :class:`~pagedserve.engine.structured_output.grammar.GrammarMatcher` (left in
+        matcher: the completion's :class:`~pagedserve.structured_output.grammar.GrammarMatcher` (left in
             the state it was given in).
         drafts: proposed token ids.
 
@@ -41,7 +41,7 @@ def _allowed(row: torch.Tensor, token: int) -> bool:
 
 
 class MaskRow:
-    """A precomputed bitmask row that stands in for a matcher in :func:`~pagedserve.engine.structured_output.
+    """A precomputed bitmask row that stands in for a matcher in :func:`~pagedserve.structured_output.
     grammar.fill_bitmasks` (it copies the row instead of asking a grammar)."""
 
     __slots__ = ("row", "num_words")

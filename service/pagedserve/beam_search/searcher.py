@@ -2,9 +2,9 @@
 
 A group starts as one request (the prompt). Whenever all its live beams have their next-token logprobs (usually
 the same step; chunked or preempted recomputes may spread them over several), :class:`BeamSearchState` ranks the
-candidates (HF semantics, see :mod:`.beam_search`); each kept candidate continues its parent: the first one reuses
+candidates (HF semantics, see :mod:`.search`); each kept candidate continues its parent: the first one reuses
 the parent's request, the others are KV forks of it (every block shared, the partial last block included; the
-first write into a shared block copies it, see :class:`~.kv_cache.manager.KVCacheManager`), and beams left without
+first write into a shared block copies it, see :class:`~pagedserve.core.kv_cache.manager.KVCacheManager`), and beams left without
 a continuation release their blocks. When the search ends the best ``n`` hypotheses are sent, best first, as
 completions ``0..n-1``: full text and token ids, finish reason and ``cumulative_logprob``, usage on the last.
 """
@@ -16,10 +16,10 @@ import structlog
 import torch
 
 from ..errors import InvalidInputError
-from .beam_search import BeamSearchState, Candidate, Hypothesis
-from .detokenizer import IncrementalDetokenizer
-from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
+from ..outputs import CompletionDelta, Usage
+from .search import BeamSearchState, Candidate, Hypothesis
+from ..request import Request, RequestStatus
+from ..sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -42,18 +42,19 @@ class BeamGroup:
 
 
 class BeamSearcher:
-    """Runs the beam groups of an :class:`~.llm_engine.LLMEngine` (same thread).
+    """Runs the beam groups of an :class:`~pagedserve.engine.llm_engine.LLMEngine` (same thread).
 
     Args:
         scheduler: the engine's scheduler (beams are inserted into and removed from its running list).
-        tokenizer: for stop strings and the final texts.
+        detokenizer: ``detokenizer(params, prompt_token_ids)`` -> a fresh incremental detokenizer (the engine's
+            :class:`~pagedserve.engine.detokenizer.IncrementalDetokenizer`), for stop strings and the final texts.
         max_model_len: context length at most.
     """
 
-    def __init__(self, scheduler, tokenizer, max_model_len: int):
+    def __init__(self, scheduler, detokenizer, max_model_len: int):
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
-        self.tokenizer = tokenizer
+        self.detokenizer = detokenizer
         self.max_model_len = max_model_len
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int],
@@ -143,7 +144,7 @@ class BeamSearcher:
         if can_stop and (token in params.stop_token_ids or (not params.ignore_eos and token in beam.eos_token_ids)):
             return "stop", token
         if params.stop:  # decoded afresh: O(output length) per candidate, only for requests with stop strings
-            detok = IncrementalDetokenizer(self.tokenizer, params, beam.prompt_token_ids)
+            detok = self.detokenizer(params, beam.prompt_token_ids)
             matched = detok.add_tokens(beam.output_token_ids + [token]).stop_str
             if matched is not None:
                 return "stop", matched
@@ -182,8 +183,6 @@ class BeamSearcher:
 
     def _finish(self, group: BeamGroup) -> list:
         """The best n hypotheses as final deltas (live beams fill in when fewer finished); every beam released."""
-        from .llm_engine import CompletionDelta, Usage
-
         params = group.params
         hyps = list(group.state.finished)
         lp = params.beam_search.length_penalty
@@ -212,7 +211,7 @@ class BeamSearcher:
         ids = h.output_token_ids
         if isinstance(h.stop_reason, int) and not params.include_stop_str_in_output:
             ids = ids[:-1]
-        detok = IncrementalDetokenizer(self.tokenizer, params, leader.prompt_token_ids)
+        detok = self.detokenizer(params, leader.prompt_token_ids)
         update = detok.add_tokens(ids)
         return update.text if update.stop_str is not None else update.text + detok.flush()
 
@@ -224,8 +223,6 @@ class BeamSearcher:
 
     def abort(self, group: BeamGroup) -> list:
         """Abort a group: blocks freed; one "abort" delta per requested completion (usage on the last)."""
-        from .llm_engine import CompletionDelta, Usage
-
         leader = group.beams[0]
         self.release(group, RequestStatus.FINISHED_ABORTED)
         deltas = [CompletionDelta(group.request_id, i, finish_reason="abort") for i in range(group.params.n)]

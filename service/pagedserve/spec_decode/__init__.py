@@ -6,8 +6,9 @@ Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Deco
 - :mod:`.proposer`: the :class:`Proposer` interface (a draft-model proposer implements the same method) and
   :class:`NgramProposer` (prompt lookup decoding, Saxena 2023; vLLM's ``ngram`` method).
 - :mod:`.grammar`: per-draft-position structured-output masks.
-- The verification itself is :meth:`pagedserve.engine.sampler.Sampler.verify`.
+- The verification itself is :meth:`pagedserve.sample.sampler.Sampler.verify`.
 """
+from .drafter import Drafter
 from .proposer import NgramProposer, Proposer, build_proposer
 
-__all__ = ["NgramProposer", "Proposer", "build_proposer"]
+__all__ = ["Drafter", "NgramProposer", "Proposer", "build_proposer"]

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ...config import SpeculativeConfig
+from ..config import SpeculativeConfig
 
 
 class Proposer(Protocol):
