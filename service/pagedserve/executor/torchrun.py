@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 
 from .. import envs
-from . import driver
-from .worker import WorkerSpec, worker_main
+from ..worker.tp_worker import WorkerSpec, worker_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,8 +27,7 @@ def main(argv: list[str] | None = None) -> int:
               f"size {world}", file=sys.stderr)
         return 2
     if rank == 0:
-        driver.EXTERNAL_INIT_METHOD = "env://"   # the other ranks are torchrun's, not spawned here
-        return cli_main(argv)
+        return cli_main(argv, tp_init_method="env://")   # the other ranks are torchrun's, not spawned here
     worker_main(WorkerSpec(engine_config, rank, world, "env://", place.local_rank))
     return 0
 

@@ -29,7 +29,7 @@ DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 def compile_supported(backend: AttentionBackend, device: torch.device, tensor_parallel_size: int = 1) -> str | None:
     """Why the forward cannot run compiled with ``backend`` on ``device`` (None when it can). On CUDA "compiled"
-    means CUDA graphs of decode-only steps (:mod:`pagedserve.engine.cuda_graphs`), which need a backend that
+    means CUDA graphs of decode-only steps (:mod:`pagedserve.worker.cuda_graphs`), which need a backend that
     ``supports_cuda_graphs`` (the cuda one); on CPU it means ``torch.compile`` (this module), which needs traceable
     elementwise layers (torch ops or custom ops with fakes; dynamo cannot trace the CuPy kernels)."""
     if tensor_parallel_size > 1:

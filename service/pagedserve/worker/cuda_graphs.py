@@ -55,7 +55,7 @@ class TorchCudaGraph:
 class CudaGraphForward(PaddedForward):
     """The model's forward as CUDA graphs for decode-only steps of the padded sizes; eager for other steps.
 
-    Called like :class:`pagedserve.engine.compiled.CompiledForward` (the model runner holds either as
+    Called like :class:`pagedserve.worker.compiled.CompiledForward` (the model runner holds either as
     ``runner.compiled``): ``forward(input_ids, positions, meta) -> hidden [T, hidden]``.
 
     Args:

@@ -19,7 +19,10 @@ import torch.distributed as dist
 
 from ..attention.base import AttentionMetadata
 from ..config import EngineConfig
-from . import group
+from ..attention import select_attention_backend
+from . import tp_group as group
+from .device import rank_device as _rank_device, resolve_dtype
+from .kv_tensors import allocate_kv_caches, kv_block_bytes, kv_cache_dtype
 
 log = structlog.get_logger(__name__)
 
@@ -37,14 +40,12 @@ class WorkerSpec:
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     """The device of a rank: ``cuda:local_rank`` when the server runs on CUDA, else the CPU."""
-    from ..engine.builder import resolve_device
-    return torch.device("cuda", local_rank) if resolve_device(config.device).type == "cuda" else torch.device("cpu")
+    return _rank_device(config.device, local_rank)
 
 
 def build_shard(config: EngineConfig, tp, device: torch.device):
     """This rank's shard of ``config.model`` (weights cut as they are read). Raises ValueError when the model does
     not split by the size (head counts) or quantized weights it cannot shard (see :func:`check_quantization`)."""
-    from ..engine.builder import resolve_dtype
     from ..models.loader import ModelSource
     from ..models.registry import build_model
 
@@ -97,10 +98,7 @@ def worker_main(spec: WorkerSpec) -> None:
 @torch.inference_mode()
 def serve_steps(model, control, config: EngineConfig, device: torch.device) -> None:
     """The worker loop: run each message rank 0 broadcasts until ``("stop",)``."""
-    from ..engine.builder import select_backend
-    from ..engine.model_runner import allocate_kv_caches, kv_cache_dtype
-
-    backend = select_backend(config.attention_backend, device)
+    backend = select_attention_backend(config.attention_backend, device)
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device)
     kv_caches = None
     while True:
@@ -135,8 +133,6 @@ def agree_num_blocks(num_blocks: int, control) -> int:
 def own_block_limit(config: EngineConfig, model, device: torch.device) -> int:
     """KV blocks this rank's memory allows: on CUDA without an explicit size, what ``gpu_memory_utilization``
     leaves after the weights and the profiled forward (peak so far); otherwise no limit of its own."""
-    from ..engine.model_runner import kv_block_bytes, kv_cache_dtype
-
     if device.type != "cuda" or config.num_kv_blocks or config.kv_cache_memory_bytes:
         return 1 << 62
     free = int(torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization) \

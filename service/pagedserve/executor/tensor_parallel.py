@@ -1,8 +1,8 @@
 """Rank 0 of tensor parallelism: the server process's shard of the model, fronting the workers.
 
-:class:`TensorParallelModel` keeps the model contract (:mod:`..models.interface`), so the model runner does not
-know it is split: before its own shard runs a step or the LM head, it broadcasts the inputs (CPU tensors, pickled
-on the gloo control group) and every worker runs the same call on its shard, joining the collectives. The
+:class:`TensorParallelExecutor` implements the executor interface (:mod:`.base`), so the model runner does not
+know the model is split: before rank 0's shard runs a step or the LM head, it broadcasts the inputs (CPU tensors,
+pickled on the gloo control group) and every worker runs the same call on its shard, joining the collectives. The
 scheduler, KV block accounting and sampler stay on rank 0 only; the block tables it builds index every rank's
 cache, since all ranks allocate the same number of blocks.
 
@@ -26,33 +26,36 @@ import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..models.layers import TPGroup, split_heads
-from . import group
-from .worker import WorkerSpec, agree_num_blocks, build_shard, check_quantization, meta_to, rank_device, \
+from ..worker import tp_group as group
+from .base import Executor
+from ..worker.tp_worker import WorkerSpec, agree_num_blocks, build_shard, check_quantization, meta_to, rank_device, \
     worker_main
 
 log = structlog.get_logger(__name__)
 STOP_WAIT_S = 10.0   # how long close() waits for a worker to exit before killing it
-EXTERNAL_INIT_METHOD: str | None = None  # set by .torchrun on rank 0: the workers exist already (env:// group)
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died, hung past the collective timeout, or failed a step."""
 
 
-class TensorParallelModel:
-    """Rank 0's shard plus the workers, behind the model contract. Attributes not defined here (``config``,
-    ``num_kv_heads`` (rank 0's), ``head_dim``, ``norm``...) are the local shard's."""
+class TensorParallelExecutor(Executor):
+    """Rank 0's shard (``model``) plus the workers: each step's inputs are broadcast before rank 0 runs its own
+    shard, so every rank makes the same calls.
+
+    Args:
+        model: rank 0's shard. control: the gloo control group. processes: the spawned workers ([] under torchrun).
+        size: tensor_parallel_size.
+    """
 
     def __init__(self, model, control, processes: list, size: int):
-        self.model, self.control, self.processes, self.size = model, control, processes, size
+        super().__init__(model, size)
+        self.control, self.processes, self.size = control, processes, size
         self.failed: BaseException | None = None
         self.closed = False
         atexit.register(self.close)
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["model"], name)
-
-    def __call__(self, input_ids, positions, kv_caches, meta, backend):
+    def execute_model(self, input_ids, positions, kv_caches, meta, backend):
         cpu = torch.device("cpu")
         self._send(("forward", input_ids.cpu(), positions.cpu(), meta_to(meta, cpu)))
         return self._guard(self.model, input_ids, positions, kv_caches, meta, backend)
@@ -62,21 +65,15 @@ class TensorParallelModel:
         self._send(("logits", hidden.cpu()))
         return self._guard(self.model.compute_logits, hidden)
 
-    def copy_kv_blocks(self, block_copies: list[tuple[int, int]]) -> None:
-        """Have every worker copy KV blocks ``(src, dst)`` in its own caches (copy-on-write of beams' shared blocks;
-        rank 0's runner copies its own), before the step's forward."""
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Every worker copies KV blocks ``(src, dst)`` in its own caches, then rank 0 in its own."""
         self._send(("copy", list(block_copies)))
+        self.runner.backend.copy_blocks(self.runner.kv_caches, block_copies)
 
-    def agree_num_blocks(self, num_blocks: int) -> int:
+    def determine_num_kv_blocks(self, num_blocks: int) -> int:
         """KV blocks every rank allocates: the minimum of ``num_blocks`` (rank 0's) and each worker's limit."""
         self._send(("kv", num_blocks))
         return self._guard(agree_num_blocks, num_blocks, self.control)
-
-    def ping_s(self) -> float:
-        """Seconds for one empty control broadcast to every worker (a health probe; the per-step overhead floor)."""
-        start = time.perf_counter()
-        self._send(("ping",))
-        return time.perf_counter() - start
 
     def _send(self, message) -> None:
         if self.failed is not None or self.closed:
@@ -159,7 +156,7 @@ def free_port() -> int:
 
 
 def start_tensor_parallel(config: EngineConfig, hf_config, init_method: str | None = None,
-                          rank: int = 0) -> TensorParallelModel:
+                          rank: int = 0) -> TensorParallelExecutor:
     """Spawn workers 1..N-1 (none when ``init_method`` is given: torchrun started them), join the group as rank
     ``rank`` (0) and load rank 0's shard.
 
@@ -170,7 +167,6 @@ def start_tensor_parallel(config: EngineConfig, hf_config, init_method: str | No
     check_splittable(config, hf_config)
     size = config.tensor_parallel_size
     processes = []
-    init_method = init_method or EXTERNAL_INIT_METHOD
     if init_method is None:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")
@@ -191,4 +187,4 @@ def start_tensor_parallel(config: EngineConfig, hf_config, init_method: str | No
             dist.destroy_process_group()
         raise TensorParallelError(f"tensor-parallel start-up failed: {exc}") from exc
     log.info("tensor_parallel_ready", size=size, backend=dist.get_backend(), worker_pids=[p.pid for p in processes])
-    return TensorParallelModel(model, control, processes, size)
+    return TensorParallelExecutor(model, control, processes, size)
