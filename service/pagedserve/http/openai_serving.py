@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..embedding.interface import EmbedInputs
-from ..engine.llm_engine import CompletionDelta
+from ..outputs import CompletionDelta
 from ..errors import InvalidInputError
 from ..serving.generation import GenerateCall, GenerationService
 from ..serving.prompts import TextPrompt
