@@ -13,12 +13,13 @@ from scipy.stats import chisquare
 
 from backend_cases import random_llama
 from pagedserve.config import EngineConfig, SpeculativeConfig
-from pagedserve.engine.kv_cache.manager import KVCacheManager
-from pagedserve.engine.request import Request
-from pagedserve.engine.sampler import Sampler, SamplingRow, make_generator
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.spec_decode import NgramProposer
+from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.request import Request
+from pagedserve.sample.rejection_sampler import RejectionSampler
+from pagedserve.sample.sampler import Sampler, SamplingRow, make_generator
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.core.sched.scheduler import Scheduler
+from pagedserve.spec_decode import NgramProposer
 from support import run_to_completion
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": null}'
@@ -88,7 +89,7 @@ def test_first_token_after_a_forced_draft_follows_the_target_distribution(params
     for i in range(n):
         gen = make_generator(1000 + i) if seeded else None
         rows += [SamplingRow(params, [3], [], generator=gen), SamplingRow(params, [3], [draft], generator=gen)]
-    out = Sampler(seed=1234).verify(LOGITS.repeat(2 * n, 1), rows, [[draft]] * n)
+    out = RejectionSampler(Sampler(seed=1234)).verify(LOGITS.repeat(2 * n, 1), rows, [[draft]] * n)
     first = torch.tensor([t[0] for t in out.token_ids])
     counts = torch.bincount(first, minlength=8).double()
     support = p > 0
@@ -112,7 +113,7 @@ def test_verify_greedy_accepts_while_the_draft_is_the_argmax_and_seeded_equals_p
     greedy = SamplingParams(temperature=0.0)
     logits = torch.stack([LOGITS, LOGITS.roll(1), LOGITS.roll(2), LOGITS.roll(3)])  # argmaxes 0, 1, 2, 3
     rows = [SamplingRow(greedy, [3], [0, 1, 9][:j]) for j in range(4)]
-    out = Sampler(seed=0).verify(logits, rows, [[0, 1, 9]])
+    out = RejectionSampler(Sampler(seed=0)).verify(logits, rows, [[0, 1, 9]])
     assert out.token_ids == [[0, 1, 2]] and out.num_accepted == [2]
     # seeded: the tokens equal those of plain steps drawing from the same generator, whatever the drafts
     params = SamplingParams(temperature=1.0, seed=5)
@@ -121,7 +122,7 @@ def test_verify_greedy_accepts_while_the_draft_is_the_argmax_and_seeded_equals_p
              for j in range(2)]
     drafts = [plain[0]]
     rows = [SamplingRow(params, [3], [], generator=spec_gen), SamplingRow(params, [3], drafts, generator=spec_gen)]
-    assert Sampler(seed=0).verify(logits[:2], rows, [drafts]).token_ids == [plain]
+    assert RejectionSampler(Sampler(seed=0)).verify(logits[:2], rows, [drafts]).token_ids == [plain]
 
 
 # ---- engine level, small random-weight Llama ----------------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_greedy_with_drafts_equals_plain_decoding_and_drafts_are_accepted(tiny):
     plain, e0, _ = _run(tiny, None, params)
     spec, e1, multi = _run(tiny, SPEC, params)
     assert spec == plain
-    assert e1.num_accepted_tokens > 0 and e1.num_steps < e0.num_steps
+    assert e1.drafter.num_accepted_tokens > 0 and e1.num_steps < e0.num_steps
     stats = e1.stats()
     assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"] > 0
     assert any(size > 1 for sizes in multi.values() for size in sizes)
@@ -186,7 +187,7 @@ def test_sampling_options_apply_at_every_verified_position(tiny, options):
     plain, _, _ = _run(tiny, None, params)
     spec, e1, _ = _run(tiny, SPEC, params)
     assert spec == plain
-    assert e1.num_draft_tokens > 0
+    assert e1.drafter.num_draft_tokens > 0
 
 
 def _stop_cases(tiny):
@@ -236,7 +237,7 @@ def test_preemption_with_drafts_in_flight_keeps_outputs_and_frees_every_block(ti
     big, _, _ = _run(tiny, None, params, prompts, num_kv_blocks=400)
     small, e, _ = _run(tiny, SPEC, params, prompts, num_kv_blocks=30, max_model_len=120)
     assert small == big
-    assert e.scheduler.num_preemptions > 0 and e.num_accepted_tokens > 0
+    assert e.scheduler.num_preemptions > 0 and e.drafter.num_accepted_tokens > 0
 
 
 def test_abort_with_drafts_in_flight_frees_every_block(tiny):
@@ -248,7 +249,7 @@ def test_abort_with_drafts_in_flight_frees_every_block(tiny):
         if any(n > 1 for n in engine.last_step_composition.values()) and \
                 any(r.spec_token_ids for r in engine.scheduler.running):
             break
-    assert engine.num_draft_tokens > 0
+    assert engine.drafter.num_draft_tokens > 0
     engine.abort([f"r{i}" for i in range(6)])
     assert not engine.has_unfinished()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
@@ -262,9 +263,9 @@ def test_large_batches_step_aside(tiny):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
     while len(engine.scheduler.running) + engine.scheduler.num_waiting >= 3:
         engine.step()
-        assert engine.num_draft_tokens == 0
+        assert engine.drafter.num_draft_tokens == 0
     run_to_completion(engine)
-    assert engine.num_draft_tokens > 0
+    assert engine.drafter.num_draft_tokens > 0
 
 
 def test_all_rejected_drafts_back_off_and_outputs_are_unchanged(tiny):
@@ -277,7 +278,7 @@ def test_all_rejected_drafts_back_off_and_outputs_are_unchanged(tiny):
     req = SimpleNamespace(spec_backoff=0, spec_skip=0)
     seen = []
     for accepted in (0, 0, 0, 0, 0, 2, 0):
-        engine._backoff(req, accepted)
+        engine.drafter.backoff(req, accepted)
         seen.append((req.spec_backoff, req.spec_skip))
     assert seen == [(1, 1), (2, 2), (4, 4), (5, 5), (5, 5), (0, 0), (1, 1)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -285,8 +286,8 @@ def test_all_rejected_drafts_back_off_and_outputs_are_unchanged(tiny):
     always, e0, _ = _run(tiny, SPEC.replace("}", ', "rejection_backoff_max": 0}'), params)
     backoff, e1, _ = _run(tiny, SPEC, params)
     assert backoff == always == plain
-    assert e1.num_accepted_tokens > 0
-    assert e1.num_draft_tokens - e1.num_accepted_tokens < e0.num_draft_tokens - e0.num_accepted_tokens
+    assert e1.drafter.num_accepted_tokens > 0
+    assert e1.drafter.num_draft_tokens - e1.drafter.num_accepted_tokens < e0.drafter.num_draft_tokens - e0.drafter.num_accepted_tokens
 
 
 # ---- KV property test with draft slots and rollback ---------------------------------------------------------------
