@@ -208,7 +208,7 @@ def test_two_torchrun_nodes_serve_a_request(random_dir, hf_random):
 
     grpc_port, master_port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    serve = ["-m", "pagedserve.executor.torchrun", "serve", "--port", str(grpc_port), "--http-port", "0",
+    serve = ["-m", "pagedserve.torchrun", "serve", "--port", str(grpc_port), "--http-port", "0",
              "--embedding-model", "none", "--model", random_dir, "--tensor-parallel-size", "2", "--device", "cpu",
              "--dtype", "float32", "--attention-backend", "torch", "--quantization", "none", "--num-kv-blocks", "64"]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",

@@ -163,6 +163,12 @@ def package_graph() -> dict[str, set[str]]:
     return out
 
 
+def test_no_cycle_between_packages():
+    """Packages too import one way (e.g. engine -> executor -> worker -> sample, never back)."""
+    cycle = find_cycle(package_graph())
+    assert cycle is None, "package cycle: " + " -> ".join(cycle)
+
+
 if __name__ == "__main__":
     for pkg, deps in sorted(package_graph().items()):
         print(f"{pkg:20s} -> {', '.join(sorted(deps)) or '-'}")

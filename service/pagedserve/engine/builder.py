@@ -187,13 +187,13 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
                       kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-                      quantization=getattr(model, "quantization", "none"),
+                      quantization=model.quantization,
                       tensor_parallel_size=executor.tensor_parallel_size,
                       compiled=compiled is not None,
                       compile_s=compiled.compile_s if compiled is not None else None,
                       compile_cache=compiled.compile_cache if compiled is not None else None,
                       cuda_graphs=isinstance(compiled, CudaGraphForward),
-                      linear_kernels=getattr(model, "linear_kernels", "torch"),
+                      linear_kernels=model.linear_kernels,
                       speculative=_speculative_summary(config))
     return engine, info
 

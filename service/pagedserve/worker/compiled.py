@@ -36,7 +36,7 @@ def compile_supported(backend: AttentionBackend, device: torch.device, tensor_pa
         return "tensor parallelism runs its shards eagerly (the collectives are not traced)"
     kind = torch.device(device).type
     if kind == "cuda":
-        if not getattr(backend, "supports_cuda_graphs", False):
+        if not backend.supports_cuda_graphs:
             return (f"CUDA graphs need the cuda attention backend (the {backend.name} backend plans each step on "
                     "the host); torch.compile is CPU only")
         return None

@@ -1,22 +1,22 @@
-"""Tensor parallelism across machines: ``torchrun ... -m pagedserve.executor.torchrun serve <serve flags>``.
+"""Tensor parallelism across machines: ``torchrun ... -m pagedserve.torchrun serve <serve flags>``.
 
 Every process torchrun starts runs this with the same ``serve`` flags (``--tensor-parallel-size`` must equal
 torchrun's world size, e.g. ``--nnodes 2 --nproc-per-node 1`` for size 2). Rank 0 runs the server (gRPC/HTTP,
 scheduler, sampler, its shard) and joins the group through ``env://`` (MASTER_ADDR/MASTER_PORT from torchrun)
-instead of spawning workers; every other rank runs :func:`.worker.worker_main` and exits when the server stops.
+instead of spawning workers; every other rank runs :func:`.worker.tp_worker.worker_main` and exits when the server stops.
 """
 from __future__ import annotations
 
 import sys
 
-from .. import envs
-from ..worker.tp_worker import WorkerSpec, worker_main
+from . import envs
+from .worker.tp_worker import WorkerSpec, worker_main
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run rank ``$RANK`` of a torchrun job. Returns the process exit code."""
-    from ..cli import build_parser, configs_from_args
-    from ..cli import main as cli_main
+    from .cli import build_parser, configs_from_args
+    from .cli import main as cli_main
 
     argv = sys.argv[1:] if argv is None else argv
     place = envs.torchrun_rank()
