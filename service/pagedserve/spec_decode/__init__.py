@@ -6,7 +6,8 @@ Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Deco
 - :mod:`.proposer`: the :class:`Proposer` interface (a draft-model proposer implements the same method) and
   :class:`NgramProposer` (prompt lookup decoding, Saxena 2023; vLLM's ``ngram`` method).
 - :mod:`.grammar`: per-draft-position structured-output masks.
-- The verification itself is :meth:`pagedserve.sample.sampler.Sampler.verify`.
+- :mod:`.drafter`: the engine side (drafts before a step, back-off after rejections, acceptance counts).
+- The verification itself is :meth:`pagedserve.sample.rejection_sampler.RejectionSampler.verify`.
 """
 from .drafter import Drafter
 from .proposer import NgramProposer, Proposer, build_proposer
