@@ -68,6 +68,11 @@ def test_speculative_config_parses_and_checks():
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 1.2])
 
 
+def _slot(kv: KVCacheManager, request: Request, position: int) -> int:
+    """Cache slot of the token at ``position``: ``block_id * block_size + position % block_size``."""
+    return request.blocks[position // kv.block_size].block_id * kv.block_size + position % kv.block_size
+
+
 def _target(params: SamplingParams) -> torch.Tensor:
     logits = LOGITS.double() / params.temperature
     if params.top_k:
@@ -317,7 +322,7 @@ def test_draft_slots_and_rollback_keep_kv_invariants(ops, caching):
             r, start = e.request, e.request.num_computed_tokens
             inputs = (r.token_ids[start:] + e.draft_token_ids)[:e.num_new_tokens]
             for j, t in enumerate(inputs):
-                slots[kv.slot(r, start + j)] = t
+                slots[_slot(kv, r, start + j)] = t
         sched.update(out)
         for e in out.scheduled:
             if not e.samples:
@@ -338,7 +343,7 @@ def test_draft_slots_and_rollback_keep_kv_invariants(ops, caching):
             for b in r.blocks:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
             for pos in range(r.num_computed_tokens):
-                assert slots[kv.slot(r, pos)] == r.token_ids[pos]
+                assert slots[_slot(kv, r, pos)] == r.token_ids[pos]
         for b in kv.pool.blocks:
             assert b.ref_cnt == holders.get(b.block_id, 0)
             if b.block_hash is not None:

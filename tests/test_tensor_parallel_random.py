@@ -123,7 +123,7 @@ def signal_worker_mid_stream(client, pid: int, sig: int) -> tuple[grpc.RpcError,
 
 def test_killed_worker_gives_unavailable_and_not_serving(tp2_server, tp2_client):
     """Runs last in this module: it breaks the shared size-2 server on purpose."""
-    pid = tp2_server.engine.executor.worker_pids[0]
+    pid = tp2_server.engine.executor.processes[0].pid
     err, detected_s = signal_worker_mid_stream(tp2_client, pid, signal.SIGKILL)
     assert err.code() == grpc.StatusCode.UNAVAILABLE, err
     assert detected_s < COLLECTIVE_TIMEOUT_S
@@ -144,7 +144,7 @@ def test_hung_worker_fails_calls_after_the_collective_timeout(random_dir):
     server = ServerThread(ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model=""),
                           engine_config(random_dir, tensor_parallel_size=2, collective_timeout_s=timeout_s))
     try:
-        pid = server.engine.executor.worker_pids[0]
+        pid = server.engine.executor.processes[0].pid
         with PagedServeClient(server.target, timeout_s=120) as c:
             err, detected_s = signal_worker_mid_stream(c, pid, signal.SIGSTOP)
             assert err.code() == grpc.StatusCode.UNAVAILABLE, err

@@ -6,13 +6,11 @@ import os
 from dataclasses import dataclass
 
 import structlog
-import torch
 
 from ..config import EngineConfig
 from ..models.loader import ModelSource
 from ..models.registry import architecture_of, build_model
 from ..attention import select_attention_backend
-from ..attention.base import AttentionMetadata
 from ..executor.base import Executor
 from ..executor.tensor_parallel import check_splittable, start_tensor_parallel
 from ..executor.uniproc import UniProcExecutor
@@ -23,9 +21,6 @@ from ..worker.kv_tensors import allocate_kv_caches, kv_block_bytes, kv_cache_dty
 from .llm_engine import LLMEngine
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
@@ -63,51 +58,6 @@ def eos_token_ids(source: ModelSource, tokenizer) -> frozenset[int]:
         eos = json.load(open(gen_cfg)).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else (eos or []))
     return frozenset(ids)
-
-
-def kv_cache_bytes(config: EngineConfig, model, backend, device: torch.device) -> int:
-    """Bytes to give the KV cache: ``--kv-cache-memory`` when set; on CPU 1 GiB; on CUDA, what
-    ``gpu_memory_utilization`` of the device's memory leaves after the weights and the peak of a profiled forward
-    pass over ``max_num_batched_tokens`` tokens (vLLM's profiling run).
-
-    Raises:
-        ValueError: on CUDA, when nothing is left for the KV cache.
-    """
-    if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
-    if device.type != "cuda":
-        return DEFAULT_CPU_KV_CACHE_BYTES
-    peak = profile_peak_memory_bytes(config, model, backend, device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    free_for_kv = int(total * config.gpu_memory_utilization) - peak
-    if free_for_kv <= 0:
-        raise ValueError(f"gpu_memory_utilization {config.gpu_memory_utilization}: the weights and activations "
-                         f"already take {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB")
-    return free_for_kv
-
-
-@torch.inference_mode()
-def profile_peak_memory_bytes(config: EngineConfig, model, backend, device: torch.device) -> int:
-    """Peak CUDA memory of one prefill forward over ``max_num_batched_tokens`` tokens (weights included), run
-    against a one-block dummy KV cache with every slot marked as padding."""
-    n = min(config.max_num_batched_tokens, int(model.config.max_position_embeddings))
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    caches = allocate_kv_caches(model.num_layers, 1, config.block_size, model.num_kv_heads, model.head_dim,
-                                kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device), device)
-    i32 = dict(dtype=torch.int32, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.zeros((1, -(-n // config.block_size)), **i32),
-        context_lens=torch.tensor([n], **i32), query_start_loc=torch.tensor([0, n], **i32),
-        query_lens=torch.tensor([n], **i32), max_query_len=n, max_context_len=n, num_decode_seqs=0,
-        query_lens_cpu=[n], context_lens_cpu=[n])
-    ids = torch.zeros(n, dtype=torch.int64, device=device)
-    hidden = model(ids, torch.arange(n, device=device), caches, meta, backend)
-    model.compute_logits(hidden[-min(n, config.max_num_seqs):])
-    torch.cuda.synchronize(device)
-    del caches, hidden
-    return int(torch.cuda.max_memory_allocated(device))
 
 
 def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=None,
@@ -165,8 +115,7 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
     backend = backend or select_attention_backend(config.attention_backend, device)
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
-    num_blocks = config.num_kv_blocks or max(1, kv_cache_bytes(config, model, backend, device) // block_bytes)
-    num_blocks = executor.determine_num_kv_blocks(num_blocks)   # tensor parallel: the minimum over ranks
+    num_blocks = executor.determine_num_kv_blocks(config, backend, device, block_bytes)
     max_model_len = _max_model_len(config, hf_config, num_blocks)
     kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
                                    model.head_dim, kv_dtype, device)

@@ -12,8 +12,10 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..attention.base import AttentionBackend, AttentionMetadata
+from ..config import EngineConfig
 from ..core.sched.output import SchedulerOutput
 from ..outputs import StepResult
+from ..worker.memory import kv_cache_bytes
 from ..worker.model_runner import ModelRunner
 
 
@@ -53,8 +55,20 @@ class Executor(ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on ``hidden`` ``[N, hidden]`` (every rank joins); float32 ``[N, vocab]``."""
 
+    def determine_num_kv_blocks(self, config: EngineConfig, backend: AttentionBackend, device: torch.device,
+                                block_bytes: int) -> int:
+        """KV blocks every rank allocates: ``config.num_kv_blocks``, or what this process's memory gives the cache
+        (:func:`pagedserve.worker.memory.kv_cache_bytes`) in blocks of ``block_bytes``, agreed over the ranks
+        (:meth:`agree_num_kv_blocks`).
+
+        Raises:
+            ValueError: on CUDA, when nothing is left for the KV cache.
+        """
+        local = config.num_kv_blocks or max(1, kv_cache_bytes(config, self.model, backend, device) // block_bytes)
+        return self.agree_num_kv_blocks(local)
+
     @abstractmethod
-    def determine_num_kv_blocks(self, num_blocks: int) -> int:
+    def agree_num_kv_blocks(self, num_blocks: int) -> int:
         """KV blocks every rank allocates, given this process's ``num_blocks`` (the minimum over ranks)."""
 
     @abstractmethod

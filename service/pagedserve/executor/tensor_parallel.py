@@ -70,7 +70,7 @@ class TensorParallelExecutor(Executor):
         self._send(("copy", list(block_copies)))
         self.runner.backend.copy_blocks(self.runner.kv_caches, block_copies)
 
-    def determine_num_kv_blocks(self, num_blocks: int) -> int:
+    def agree_num_kv_blocks(self, num_blocks: int) -> int:
         """KV blocks every rank allocates: the minimum of ``num_blocks`` (rank 0's) and each worker's limit."""
         self._send(("kv", num_blocks))
         return self._guard(agree_num_blocks, num_blocks, self.control)
@@ -122,10 +122,6 @@ class TensorParallelExecutor(Executor):
         atexit.unregister(self.close)
         if self.failed is None:
             _destroy_group()
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
 
 
 def _destroy_group() -> None:

@@ -20,7 +20,7 @@ class UniProcExecutor(Executor):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-    def determine_num_kv_blocks(self, num_blocks: int) -> int:
+    def agree_num_kv_blocks(self, num_blocks: int) -> int:
         return num_blocks
 
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:

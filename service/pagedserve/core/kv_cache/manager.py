@@ -211,7 +211,3 @@ class KVCacheManager:
         self.pool.free(list(reversed(request.blocks)))
         request.blocks = []
         request.num_registered_blocks = 0
-
-    def slot(self, request: Request, position: int) -> int:
-        """Cache slot of the token at ``position``: ``block_id * block_size + position % block_size``."""
-        return request.blocks[position // self.block_size].block_id * self.block_size + position % self.block_size
