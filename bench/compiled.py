@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def start_decoding(engine, running: int, args) -> None:
     """Add ``running`` requests of random prompts and step until every prompt is computed."""
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     rng = random.Random(running)
     params = SamplingParams(max_tokens=args.steps + 4, ignore_eos=True, temperature=0.0)

@@ -8,7 +8,8 @@
 Builds the engine on the embedded model (CPU, torch attention), adds `--running` requests with random prompts of
 `--prompt-tokens` tokens, runs until every prompt is computed, then times `--steps` decode steps. Each part is
 timed by wrapping it: the model forward (all layers), the LM head (logits of the sampled rows), the sampler,
-appending tokens / stop checks / detokenizing (`LLMEngine._process`), batch building (`ModelRunner.prepare`),
+appending tokens / stop checks (`Scheduler.update_from_output`), detokenizing and deltas
+(`OutputProcessor.process`), batch building (`InputBatch.prepare`, `InputBatch.sampling_rows`),
 scheduling. Prints ms per step and the share of the step for each, and the share outside the model (everything
 but forward and LM head). gRPC is not included: the server's event loop runs on another thread.
 """
@@ -60,18 +61,17 @@ def timed(owner, name: str, label: str, totals: collections.Counter) -> None:
     setattr(owner, name, wrapper)
 
 
-def time_modules(runner, parts: collections.Counter) -> None:
+def time_modules(model, backend, parts: collections.Counter) -> None:
     """Time the leaf work of the forward and LM head: every linear and embedding (labelled by class and shape),
     the attention backend's forward, and its elementwise ops (RMSNorm, rotary, SwiGLU)."""
     import dataclasses
 
-    for module in runner.model.modules():
+    for module in model.modules():
         name = type(module).__name__
         if hasattr(module, "out_features") and hasattr(module, "in_features"):
             timed(module, "forward", f"{name} {module.out_features}x{module.in_features}", parts)
         elif "Embedding" in name:
             timed(module, "forward", name, parts)
-    backend = runner.backend
     timed(backend, "forward", f"attention ({type(backend).__name__})", parts)
     ops = backend.elementwise
     wrapped = {}
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     settings = common.configure_threads(args.threads)
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
-    from pagedserve.engine.sampler import Sampler
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sample.sampler import Sampler
+    from pagedserve.sampling_params import SamplingParams
 
     config = EngineConfig(device="cpu", dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.running,
                           quantization=args.quantization, linear_kernels=args.linear_kernels,
@@ -99,17 +99,18 @@ def main(argv=None) -> int:
                           max_model_len=args.prompt_tokens + args.steps + 16)
     engine, _ = build_engine(config)
     totals: collections.Counter = collections.Counter()
-    runner = engine.runner
-    timed(runner.model, "forward", "model forward", totals)
-    timed(runner.model, "compute_logits", "LM head (logits)", totals)
+    runner = engine.executor.runner
+    timed(runner, "forward", "model forward", totals)
+    timed(runner, "compute_logits", "LM head (logits)", totals)
     timed(Sampler, "__call__", "sampler", totals)
-    timed(engine, "_process", "append / stop / detokenize", totals)
-    timed(runner, "prepare", "batch building", totals)
+    timed(engine.scheduler, "update_from_output", "append / stop checks", totals)
+    timed(engine.outputs, "process", "detokenize / deltas", totals)
+    timed(runner.input_batch, "prepare", "batch building", totals)
+    timed(runner.input_batch, "sampling_rows", "sampling rows", totals)
     parts: collections.Counter = collections.Counter()
     if args.by_module:
-        time_modules(runner, parts)
+        time_modules(engine.executor.model, runner.backend, parts)
     timed(engine.scheduler, "schedule", "scheduler.schedule", totals)
-    timed(engine.scheduler, "update", "scheduler.update", totals)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)

@@ -4,7 +4,7 @@
 
 For each batch size and setting (temperature only; top-k 50 + top-p 0.95; top-p 0.95 alone; all at temperature
 0.8), times one sampling step over float32 logits ``[rows, vocab]``:
-- `ours`: ``pagedserve.engine.sampler.Sampler`` (raw logprobs off, no penalties): temperature, top-k / top-p found
+- `ours`: ``pagedserve.sample.sampler.Sampler`` (raw logprobs off, no penalties): temperature, top-k / top-p found
   among the most likely candidates, inverse transform sampling with one float64 uniform per row.
 - `hf`: transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` (the warpers
   ``generate`` applies, full-vocabulary sort for top-p), then ``softmax`` and ``torch.multinomial``, as in
@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from pagedserve.engine.sampler import Sampler, SamplingRow
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sample.sampler import Sampler, SamplingRow
+    from pagedserve.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(0)
     model, tokenizer = common.load_hf_model(), common.load_tokenizer()

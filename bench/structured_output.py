@@ -83,7 +83,7 @@ def timed(owner, name: str, label: str, totals: collections.Counter) -> None:
 
 def run(engine, num_running: int, steps: int, prompt_tokens: int, constrained: bool, totals) -> dict:
     """Add the requests, prefill them, time ``steps`` decode steps; ms per step of each part."""
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     rng = random.Random(num_running)
     extra = {"structured_output": {"json_schema": LONG_SCHEMA}} if constrained else {"ignore_eos": True}
@@ -111,17 +111,17 @@ def run(engine, num_running: int, steps: int, prompt_tokens: int, constrained: b
 
 
 def compile_times(engine) -> dict:
-    from pagedserve.engine.structured_output import StructuredOutput
-    from pagedserve.engine.structured_output.grammar import fill_bitmasks
+    from pagedserve.structured_output import StructuredOutput
+    from pagedserve.structured_output.grammar import fill_bitmasks
 
     out = {}
     start = time.perf_counter()
-    engine.grammars.tokenizer()
+    engine.structured.compiler.tokenizer()
     out["tokenizer (once per engine)"] = {"compile_ms": 1e3 * (time.perf_counter() - start)}
     for name, value in COMPILE_CASES.items():
         constraint = StructuredOutput.from_value(value)
         start = time.perf_counter()
-        compiled = engine.grammars.compile(constraint)
+        compiled = engine.structured.compiler.compile(constraint)
         compile_ms = 1e3 * (time.perf_counter() - start)
         matcher = compiled.new_matcher()
         start = time.perf_counter()
@@ -134,9 +134,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     settings = common.configure_threads(args.threads)
     from pagedserve.config import EngineConfig
-    from pagedserve.engine import sampler as sampler_module
+    from pagedserve.sample import sampler as sampler_module
     from pagedserve.engine.builder import build_engine
-    from pagedserve.engine.structured_output.grammar import GrammarMatcher
+    from pagedserve.structured_output.grammar import GrammarMatcher
 
     print(f"threads: {settings}   load average before: {os.getloadavg()}")
     engine, _ = build_engine(EngineConfig(device="cpu", dtype="float32", attention_backend="torch",

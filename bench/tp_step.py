@@ -57,7 +57,7 @@ def build(tp):
 @torch.inference_mode()
 def time_steps(tp, batch: int, iters: int, control=None) -> dict[str, float]:
     from pagedserve.attention.torch_ref import TorchAttentionBackend
-    from pagedserve.engine.model_runner import allocate_kv_caches
+    from pagedserve.worker.kv_tensors import allocate_kv_caches
     from pagedserve.executor import group
 
     model, backend = build(tp), TorchAttentionBackend()
@@ -105,7 +105,7 @@ def rank_main(rank: int, size: int, port: int, batches, iters: int, threads: int
 def main() -> None:
     import multiprocessing
 
-    from pagedserve.executor.driver import free_port
+    from pagedserve.executor.tensor_parallel import free_port
     from pagedserve.models.layers import SINGLE
 
     p = argparse.ArgumentParser()

@@ -80,7 +80,7 @@ def greedy(model, cfg, tokenizer, device: str, backend: str, prompts: list[list[
     ``backend_impl`` is the backend object to use (default: the one ``--attention-backend backend`` selects)."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     config = EngineConfig(device=device, dtype="float32", attention_backend=backend, num_kv_blocks=400,
                           max_model_len=1024, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8)
@@ -137,7 +137,7 @@ def beam_outputs(model, cfg, tokenizer, device: str, backend: str, prompts: list
     ({request_id: [(token_ids, cumulative_logprob), ...]}, number of copy-on-write block copies made)."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     config = EngineConfig(device=device, dtype="float32", attention_backend=backend, num_kv_blocks=128,
                           block_size=16, max_model_len=256, max_num_seqs=8)

@@ -10,11 +10,11 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.builder import build_engine
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 
 class HostReplay:
-    """A CUDA graph's stand-in on CPU (``graph_factory`` of :class:`pagedserve.engine.cuda_graphs.CudaGraphForward`):
+    """A CUDA graph's stand-in on CPU (``graph_factory`` of :class:`pagedserve.worker.cuda_graphs.CudaGraphForward`):
     :meth:`capture` runs ``fn`` once and records the kernel launches it made on the emulator ``sim``; :meth:`replay`
     reruns ``fn`` and asserts that it launched exactly those kernels with exactly that geometry and shared memory,
     which is what a real graph replays whatever the step's data."""

@@ -115,7 +115,7 @@ def server_sharing_model(server, embedding_model: str = "", http_port: int = 0, 
     from pagedserve.engine.builder import build_engine
     from pagedserve.serving.factory import ServiceFactory
 
-    model, tokenizer = server.engine.runner.model, server.engine.tokenizer
+    model, tokenizer = server.engine.executor.model, server.engine.tokenizer
     server_config = ServerConfig(host="127.0.0.1", port=0, http_port=http_port, embedding_model=embedding_model,
                                  **(server_kwargs or {}))
     engine_config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", **engine_kwargs)
@@ -135,7 +135,7 @@ def prefill_hidden(model, ids: list[int]):
 
     from pagedserve.attention.base import AttentionMetadata
     from pagedserve.attention.torch_ref import TorchAttentionBackend
-    from pagedserve.engine.model_runner import allocate_kv_caches
+    from pagedserve.worker.kv_tensors import allocate_kv_caches
 
     T, bs = len(ids), 16
     nb = -(-T // bs)

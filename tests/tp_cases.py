@@ -90,7 +90,7 @@ def run_group(size: int, fn_name: str, *args, timeout_s: float = 240) -> dict[in
     traceback when it failed."""
     import multiprocessing
 
-    from pagedserve.executor.driver import free_port
+    from pagedserve.executor.tensor_parallel import free_port
 
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()
@@ -150,3 +150,19 @@ def greedy_over_grpc(client, prompts: list[list[int]], max_tokens: int) -> list[
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, prompts))
+
+
+class ExecutorModel:
+    """An executor seen as a model for :func:`prefill_logits`: its forward and LM head (every rank joins), its
+    local model's shapes."""
+
+    def __init__(self, executor):
+        self.executor = executor
+        model = executor.model
+        self.num_layers, self.num_kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
+
+    def __call__(self, input_ids, positions, kv_caches, meta, backend):
+        return self.executor.execute_model(input_ids, positions, kv_caches, meta, backend)
+
+    def compute_logits(self, hidden):
+        return self.executor.compute_logits(hidden)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 from collections.abc import Mapping
@@ -51,14 +52,24 @@ def configs_from_args(args) -> tuple[ServerConfig, EngineConfig]:
     return build_config(ServerConfig, SPECS, args), build_config(EngineConfig, SPECS, args)
 
 
-async def serve(server_config: ServerConfig, engine_config: EngineConfig | None) -> None:
+async def serve(server_config: ServerConfig, engine_config: EngineConfig | None,
+                tp_init_method: str | None = None) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully; a second signal skips what is left of the grace.
+    ``tp_init_method``: the tensor-parallel group's init method when the workers exist already (torchrun's
+    ``env://``); None spawns them.
 
     Raises whatever loading the models raised (after stopping the server).
     """
     from .server.app import create_server
+    from .serving.factory import ServiceFactory
 
-    app, _ = await create_server(server_config, engine_config)
+    factory = None
+    if tp_init_method is not None:
+        from .engine.builder import build_engine
+
+        factory = ServiceFactory(server_config, engine_config,
+                                 functools.partial(build_engine, tp_init_method=tp_init_method))
+    app, _ = await create_server(server_config, engine_config, factory)
     stop = asyncio.Event()
 
     def on_signal() -> None:
@@ -81,7 +92,8 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig | None)
     await app.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, tp_init_method: str | None = None) -> int:
+    """``pagedserve ...``; ``tp_init_method`` as in :func:`serve` (torchrun's rank 0). Returns the exit code."""
     args = build_parser().parse_args(argv)
     if args.command != "serve":
         return args.run(args)
@@ -94,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(server_config.log_level, server_config.log_json)
     try:
-        asyncio.run(serve(server_config, engine_config))
+        asyncio.run(serve(server_config, engine_config, tp_init_method))
     except (RuntimeError, ValueError, OSError) as exc:   # a model that cannot load on this machine: one line, exit 1
         print(f"pagedserve: error: start-up failed: {exc}", file=sys.stderr)
         return 1

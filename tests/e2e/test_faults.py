@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.engine import detokenizer
-from pagedserve.engine.request import RequestStatus
+from pagedserve.request import RequestStatus
 from pagedserve_client import pb
 from pagedserve_client.v1 import inference_pb2_grpc
 
@@ -169,7 +169,7 @@ async def _fatal_error_scenario(small) -> None:
 
         def boom(sched):
             raise RuntimeError("injected fatal fault")
-        small.engine.runner.execute = boom
+        small.engine.executor.runner.execute = boom
         for call in calls:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 while await call.read() is not grpc.aio.EOF:

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.engine import sampling_params as sp
+from pagedserve import sampling_params as sp
 from pagedserve.errors import InvalidInputError
 from pagedserve_client import pb
 from pagedserve_client.v1 import inference_pb2_grpc

@@ -29,9 +29,9 @@ def test_forward_logits_match_hf(server, hf_llm, tokenizer):
     """One prefill forward of our model against HF's LlamaForCausalLM: logits within 1e-4."""
     from pagedserve.attention.base import AttentionMetadata
     from pagedserve.attention.torch_ref import TorchAttentionBackend
-    from pagedserve.engine.model_runner import allocate_kv_caches
+    from pagedserve.worker.kv_tensors import allocate_kv_caches
 
-    model = server.engine.runner.model
+    model = server.engine.executor.model
     ids = chat_ids(tokenizer, CHAT_PROMPTS[0])
     T, bs = len(ids), 16
     nb = -(-T // bs)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.errors import InvalidInputError
 
 from support import run_to_completion, server_sharing_model

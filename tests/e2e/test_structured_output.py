@@ -16,11 +16,11 @@ import torch
 
 from support import assert_no_blocks_held, free_port, server_sharing_model
 
-from pagedserve.engine.sampler import Sampler, SamplingRow, make_generator
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.structured_output import StructuredOutput
-from pagedserve.engine.structured_output.bitmask import apply_bitmask_, unpack_allowed
-from pagedserve.engine.structured_output.waiting import GrammarWaitList
+from pagedserve.sample.sampler import Sampler, SamplingRow, make_generator
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output import StructuredOutput
+from pagedserve.structured_output.bitmask import apply_bitmask_, unpack_allowed
+from pagedserve.structured_output.waiting import GrammarWaitList
 from pagedserve.errors import InvalidInputError
 
 pytestmark = pytest.mark.e2e
@@ -121,7 +121,7 @@ def test_1000_masked_sampling_steps_never_pick_a_disallowed_token(server):
     """A real JSON-schema grammar (and a fake with single-token masks, logits wider than the mask) under
     adversarial logits that favour disallowed tokens, through every sampling option; the matcher advances."""
     engine = server.engine
-    compiled = engine.grammars.compile(StructuredOutput(json_schema=json.dumps(SCHEMAS["enum_number"])))
+    compiled = engine.structured.compiler.compile(StructuredOutput(json_schema=json.dumps(SCHEMAS["enum_number"])))
     gen = torch.Generator().manual_seed(0)
     sampler = Sampler(seed=0)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.5, top_k=50, seed=3),
@@ -273,9 +273,9 @@ def bare_engine(server):
         pending.append(Future())
         return pending[-1]
 
-    engine.grammars.submit = submit
+    engine.structured.compiler.submit = submit
     yield engine, pending
-    engine.grammars.shutdown()
+    engine.structured.compiler.shutdown()
 
 
 def test_requests_wait_unscheduled_until_the_grammar_compiles(server, bare_engine):
@@ -288,7 +288,7 @@ def test_requests_wait_unscheduled_until_the_grammar_compiles(server, bare_engin
     assert engine.step() == []                      # waits (briefly) for a compile; schedules nothing
     _, aborted = engine.abort(["gone"])
     assert [d.finish_reason for d in aborted] == ["abort"]
-    compiled = server.engine.grammars.compile(StructuredOutput(regex="[0-9]+"))
+    compiled = server.engine.structured.compiler.compile(StructuredOutput(regex="[0-9]+"))
     pending[0].set_result(compiled)
     pending[1].set_exception(InvalidInputError("no good", "sampling.structured_output.regex"))
     pending[2].set_result(compiled)
@@ -298,4 +298,4 @@ def test_requests_wait_unscheduled_until_the_grammar_compiles(server, bare_engin
     assert engine.scheduler.num_waiting == 1 and "gone" not in engine.groups and "bad" not in engine.groups
     ok = engine.groups["ok"].children
     assert all(c.grammar is not None for c in ok) and ok[0].grammar is not ok[1].grammar
-    assert not engine._awaiting_grammar
+    assert not len(engine.structured)

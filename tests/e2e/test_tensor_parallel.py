@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from support import CHAT_PROMPTS, REPO_ROOT, ServerThread, chat_ids
-from tp_cases import greedy_over_grpc, prefill_logits
+from tp_cases import ExecutorModel, greedy_over_grpc, prefill_logits
 
 pytestmark = pytest.mark.e2e
 
@@ -50,13 +50,13 @@ def test_size3_greedy_equals_size1_and_hf(tp3_client, client, hf_llm, tokenizer)
 
 
 def test_size3_logits_match_size1_and_hf(tp3_server, server, hf_llm, tokenizer):
-    """One prefill through rank 0's TensorParallelModel (the workers join) of the prompt the size-1 HF test uses
+    """One prefill through rank 0's TensorParallelExecutor (the workers join) of the prompt the size-1 HF test uses
     (test_generate_e2e.test_forward_logits_match_hf): within 1e-4 of HF."""
     ids = chat_ids(tokenizer, CHAT_PROMPTS[0])
-    tp_model = tp3_server.engine.runner.model
-    assert tp_model.num_kv_heads == 1 and tp_model.tp.size == 3
+    tp_model = ExecutorModel(tp3_server.engine.executor)
+    assert tp_model.num_kv_heads == 1 and tp3_server.engine.executor.model.tp.size == 3
     ours3 = prefill_logits(tp_model, ids)
-    ours1 = prefill_logits(server.engine.runner.model, ids)
+    ours1 = prefill_logits(server.engine.executor.model, ids)
     with torch.inference_mode():
         ref = hf_llm(torch.tensor([ids])).logits[0].float()
     assert ours3.shape == ref.shape
@@ -80,7 +80,7 @@ def test_quantized_shards_must_hold_whole_groups(smollm_source, llm_parts):
     """A size whose row-parallel shards would cut GGUF's 32-weight blocks (hidden 576 / 4 = 144) is refused, naming
     the size that does not split."""
     from pagedserve.config import EngineConfig
-    from pagedserve.executor.worker import check_quantization
+    from pagedserve.worker.tp_worker import check_quantization
 
     cfg = llm_parts[2]
     with pytest.raises(ValueError, match="hidden_size 576 does not split into shards of whole groups of 32"):
@@ -95,7 +95,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 from pagedserve.config import EngineConfig
 from pagedserve.engine.builder import build_engine
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 from support import CHAT_PROMPTS, chat_ids, run_to_completion
 
 outs, infos = [], []
@@ -108,8 +108,7 @@ for size in (3, 1):
         engine.add_request(f"r{i}", chat_ids(engine.tokenizer, p), SamplingParams(max_tokens=12, temperature=0.0))
     done = run_to_completion(engine)
     outs.append([done[f"r{i}"][0][0] for i in range(3)])
-    if hasattr(engine.runner.model, "close"):
-        engine.runner.model.close()
+    engine.close()
 print(json.dumps({"outs": outs, "infos": infos}))
 """
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from support import ServerThread, free_port, wait_until
-from tp_cases import greedy_over_grpc, prefill_logits, save_random_llama
+from tp_cases import ExecutorModel, greedy_over_grpc, prefill_logits, save_random_llama
 
 pytestmark = pytest.mark.e2e
 
@@ -74,12 +74,12 @@ def test_size2_equals_size1_and_hf(tp2_server, tp2_client, random_dir, hf_random
     from pagedserve.models.interface import CausalLM
 
     assert tp2_client.model_info().generation.tensor_parallel_size == 2
-    tp_model = tp2_server.engine.runner.model
+    tp_model = ExecutorModel(tp2_server.engine.executor)
     assert tp_model.num_kv_heads == 1 and tp_model.num_layers == 2
     one, _ = build_engine(engine_config(random_dir), tokenizer=tp2_server.engine.tokenizer)
-    assert isinstance(tp_model, CausalLM) and isinstance(one.runner.model, CausalLM)  # the model contract
+    assert isinstance(tp2_server.engine.executor.model, CausalLM) and isinstance(one.executor.model, CausalLM)  # the model contract
     for ids in PROMPTS[:2]:
-        logits2, logits1 = prefill_logits(tp_model, ids), prefill_logits(one.runner.model, ids)
+        logits2, logits1 = prefill_logits(tp_model, ids), prefill_logits(one.executor.model, ids)
         with torch.inference_mode():
             ref = hf_random(torch.tensor([ids])).logits[0].float()
         assert (logits2 - ref).abs().max().item() < 1e-4
@@ -125,7 +125,7 @@ def signal_worker_mid_stream(client, pid: int, sig: int) -> tuple[grpc.RpcError,
 
 def test_killed_worker_gives_unavailable_and_not_serving(tp2_server, tp2_client):
     """Runs last in this module: it breaks the shared size-2 server on purpose."""
-    pid = tp2_server.engine.runner.model.worker_pids[0]
+    pid = tp2_server.engine.executor.processes[0].pid
     err, detected_s = signal_worker_mid_stream(tp2_client, pid, signal.SIGKILL)
     assert err.code() == grpc.StatusCode.UNAVAILABLE, err
     assert detected_s < COLLECTIVE_TIMEOUT_S
@@ -146,7 +146,7 @@ def test_hung_worker_fails_calls_after_the_collective_timeout(random_dir):
     server = ServerThread(ServerConfig(host="127.0.0.1", port=0, http_port=0, embedding_model=""),
                           engine_config(random_dir, tensor_parallel_size=2, collective_timeout_s=timeout_s))
     try:
-        pid = server.engine.runner.model.worker_pids[0]
+        pid = server.engine.executor.processes[0].pid
         with PagedServeClient(server.target, timeout_s=120) as c:
             err, detected_s = signal_worker_mid_stream(c, pid, signal.SIGSTOP)
             assert err.code() == grpc.StatusCode.UNAVAILABLE, err
@@ -210,7 +210,7 @@ def test_two_torchrun_nodes_serve_a_request(random_dir, hf_random):
 
     grpc_port, master_port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    serve = ["-m", "pagedserve.executor.torchrun", "serve", "--port", str(grpc_port), "--http-port", "0",
+    serve = ["-m", "pagedserve.torchrun", "serve", "--port", str(grpc_port), "--http-port", "0",
              "--embedding-model", "none", "--model", random_dir, "--tensor-parallel-size", "2", "--device", "cpu",
              "--dtype", "float32", "--attention-backend", "torch", "--quantization", "none", "--num-kv-blocks", "64"]
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",

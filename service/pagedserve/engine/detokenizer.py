@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 _MAX_WINDOW_TOKENS = 16  # a window still held back after this many tokens looks for a safe split point
@@ -93,16 +93,6 @@ class IncrementalDetokenizer:
             text += self._stop.flush()
         self._finished = True
         return self._record(text, stop)
-
-    @property
-    def output_text(self) -> str:
-        """All text sent so far plus what is held back (before stop-string cutting of the held tail)."""
-        if self._finished:
-            return "".join(self._sent)
-        pending = self._decode_pending()
-        if self._cleanup is not None:
-            pending = self._cleanup.peek(pending)
-        return "".join(self._sent) + self._stop.held + pending
 
     @property
     def finished(self) -> bool:
@@ -208,10 +198,6 @@ class _CleanupStream:
     def flush(self) -> str:
         pending, self._pending = self._pending, ""
         return self._clean(pending)
-
-    def peek(self, text: str) -> str:
-        return self._clean(self._pending + text)
-
 
 def _applies_cleanup(tokenizer) -> bool:
     """Whether ``tokenizer.decode`` changes its output with ``clean_up_tokenization_spaces`` (transformers 5 skips it

@@ -4,7 +4,7 @@ carries ``tool_calls`` and the stream sends their deltas; a choice that called t
 ``"tool_calls"``."""
 from __future__ import annotations
 
-from ..engine.llm_engine import CompletionDelta
+from ..outputs import CompletionDelta
 from ..tool_calls import ToolCallStream, ToolPlan, parse_whole
 from . import convert as cv
 

@@ -7,12 +7,9 @@ import json
 import time
 import uuid
 
-from ..engine.beam_search import BeamSearchParams
-from ..engine.llm_engine import Usage
-from ..engine.sampler import TokenLogprobs
-from ..engine.sampling_params import SamplingParams
-from ..engine.structured_output import StructuredOutput
 from ..errors import InvalidInputError
+from ..outputs import TokenLogprobs, Usage
+from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from .errors import OpenAIError
 from .token_bytes import TokenBytes

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ..engine.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 from ..serving.generation import GenerateCall
 from ..serving.services import Services
 from . import convert as cv

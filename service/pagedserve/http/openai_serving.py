@@ -21,8 +21,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..embedding.interface import EmbedInputs
-from ..engine.llm_engine import CompletionDelta
 from ..errors import InvalidInputError, PagedServeError
+from ..outputs import CompletionDelta
 from ..serving.generation import GenerateCall, GenerationService
 from ..serving.prompts import TextPrompt
 from ..serving.services import Services

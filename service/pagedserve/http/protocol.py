@@ -2,7 +2,7 @@
 
 Unknown fields are accepted and ignored (OpenAI clients add new ones over time), except those naming capabilities
 this server does not have (:data:`UNSUPPORTED_FIELDS`), which are a 400 naming the field rather than a silent
-acceptance. Ranges are checked by the engine's :class:`~pagedserve.engine.sampling_params.SamplingParams`, so both
+acceptance. Ranges are checked by the engine's :class:`~pagedserve.sampling_params.SamplingParams`, so both
 APIs give the same answer for the same value.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from ..engine.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 # Fields of OpenAI's chat/completions bodies that ask for what this server does not do.
 UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",

@@ -26,6 +26,7 @@ class CausalLM(Protocol):
         head_dim: features per head.
         vocab_size: rows of the logits.
         quantization: what GetModelInfo reports ("none" or a summary of the quantized layers).
+        linear_kernels: whose kernels run the linears ("torch" or "pagedserve-cpu").
         norm: a parameter whose dtype/device are the model's compute dtype/device.
     """
 
@@ -35,6 +36,7 @@ class CausalLM(Protocol):
     head_dim: int
     vocab_size: int
     quantization: str
+    linear_kernels: str
     norm: torch.Tensor
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -102,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
         self.vocab_size = cfg.vocab_size
         self.quantization = "none"  # what GetModelInfo reports; set by load_weights for quantized weights
+        self.linear_kernels = "torch"  # whose kernels run the linears; models.registry sets "pagedserve-cpu"
         theta = getattr(cfg, "rope_theta", None)
         if theta is None:
             theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)

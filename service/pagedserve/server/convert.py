@@ -11,11 +11,9 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from pagedserve_client.v1 import inference_pb2 as pb
 
-from ..engine.beam_search import BeamSearchParams
-from ..engine.llm_engine import CompletionDelta
-from ..engine.sampling_params import SamplingParams
-from ..engine.structured_output import StructuredOutput
 from ..errors import InvalidInputError
+from ..outputs import CompletionDelta
+from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from ..serving.generation import GenerateCall
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 

@@ -8,8 +8,8 @@ import json
 
 from pagedserve_client.v1 import inference_pb2 as pb
 
-from ..engine.llm_engine import CompletionDelta
-from ..engine.structured_output import StructuredOutput
+from ..outputs import CompletionDelta
+from ..sampling_params import StructuredOutput
 from ..errors import InvalidInputError
 from ..serving.generation import GenerateCall
 from ..serving.prompts import ChatPrompt

@@ -17,7 +17,7 @@ from ..config import EngineConfig, ServerConfig
 from ..embedding import EmbeddingService
 from ..engine import builder
 from ..engine.async_engine import AsyncEngine
-from ..engine.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 from .generation import GenerationService
 from .metrics import ServerMetrics
 from .services import Services

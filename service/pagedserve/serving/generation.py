@@ -15,8 +15,8 @@ import structlog
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.builder import EngineInfo
-from ..engine.llm_engine import CompletionDelta
-from ..engine.sampling_params import SamplingParams
+from ..outputs import CompletionDelta
+from ..sampling_params import SamplingParams
 from ..errors import InvalidInputError
 from ..text_bounds import check_text_can_fit
 from .metrics import ServerMetrics
@@ -59,11 +59,11 @@ class GenerationService:
     @property
     def tokenizer(self):
         """The model's transformers tokenizer."""
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.engine.vocab_size
+        return self.engine.vocab_size
 
     @property
     def num_live_requests(self) -> int:
@@ -146,7 +146,7 @@ class GenerationService:
 
     def kv_cache_stats(self) -> dict:
         """The engine's KV cache and scheduler counters (``LLMEngine.stats()``)."""
-        return self.engine.engine.stats()
+        return self.engine.stats()
 
     async def shutdown(self) -> None:
         """Abort what is still live (those streams get their final "abort" delta) and stop the engine thread."""

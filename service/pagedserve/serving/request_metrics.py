@@ -1,7 +1,7 @@
 """Per-request metrics, recorded by wrapping the engine's delta stream (the servicer stays untouched).
 
-:class:`MeteredEngine` has the :class:`~pagedserve.engine.async_engine.AsyncEngine` interface; its ``generate()``
-passes every :class:`~pagedserve.engine.llm_engine.CompletionDelta` through and records, per request:
+:class:`MeteredEngine` wraps :meth:`~pagedserve.engine.async_engine.AsyncEngine.generate`: it passes every
+:class:`~pagedserve.outputs.CompletionDelta` through and records, per request:
 
 - ``generation_tokens`` as tokens stream out, ``prompt_tokens`` from the final usage;
 - ``request_success{finished_reason}`` once per completion (``n`` per request), "abort" included;
@@ -37,15 +37,12 @@ class _RequestTimes:
 
 
 class MeteredEngine:
-    """An AsyncEngine whose ``generate()`` records request metrics; every other attribute is the engine's."""
+    """``AsyncEngine.generate`` wrapped to record request metrics (the only call made through it)."""
 
     def __init__(self, inner, metrics: ServerMetrics, model_name: str):
         self._inner = inner
         self._metrics = metrics
         self._model = model_name
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pagedserve.engine.kv_cache.block_pool import BlockPool
-from pagedserve.engine.kv_cache.manager import KVCacheManager
-from pagedserve.engine.request import Request
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.core.kv_cache.block_pool import BlockPool
+from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.request import Request
+from pagedserve.sampling_params import SamplingParams
 
 
 def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:

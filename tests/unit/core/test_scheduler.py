@@ -1,10 +1,10 @@
 """Scheduler unit tests: built from plain values, no model."""
 from __future__ import annotations
 
-from pagedserve.engine.kv_cache.manager import KVCacheManager
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.core.sched.scheduler import Scheduler
 
 
 def req(rid: str, n_prompt: int, priority: int = 0) -> Request:

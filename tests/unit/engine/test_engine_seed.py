@@ -11,7 +11,7 @@ from support import run_to_completion
 def _sample(model, cfg, tokenizer, seed):
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", num_kv_blocks=64, seed=seed)
     engine, _ = build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pagedserve.config import EngineConfig, ServerConfig
-from pagedserve.engine.sampling_params import FLOAT_FIELDS, SamplingParams
+from pagedserve.sampling_params import FLOAT_FIELDS, SamplingParams
 from pagedserve.errors import InvalidInputError
 from pagedserve.http import convert
 from pagedserve.http.protocol import (SAMPLING_BODY_FIELDS, SAMPLING_SHAPED_FIELDS, ChatCompletionRequest,

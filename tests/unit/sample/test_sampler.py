@@ -15,19 +15,29 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from pagedserve.engine.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_logits_processors,
-    compute_logprobs,
-    filter_mask,
-    make_generator,
-)
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sample.ops.logprobs import compute_logprobs
+from pagedserve.sample.ops.penalties import apply_logits_processors
+from pagedserve.sample.ops.topk_topp import select_candidates
+from pagedserve.sample.sampler import Sampler, SamplingRow, make_generator
+from pagedserve.sampling_params import SamplingParams
 
 V = 512
 EOS = 7
 
+
+
+def filter_mask(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor | None:
+    """``[n, V]`` bool, True where top-k, then top-p, then min-p drop a token (``select_candidates`` as a
+    vocabulary mask, to compare with HF's warpers), or None when no filter is given."""
+    if top_k is None and top_p is None and min_p is None:
+        return None
+    n = logits.shape[0]
+    _, cand_ids, keep = select_candidates(
+        logits, probs, torch.zeros(n, dtype=torch.long) if top_k is None else top_k,
+        torch.ones(n) if top_p is None else top_p, torch.zeros(n) if min_p is None else min_p)
+    kept = torch.zeros(probs.shape, dtype=torch.int32, device=probs.device).scatter_add_(1, cand_ids, keep.int())
+    return kept == 0   # padding entries (token 0, not kept) add nothing
 
 def _row(params: SamplingParams, prompt=(1, 2, 3), output=(), generator=None) -> SamplingRow:
     return SamplingRow(params=params, prompt_token_ids=list(prompt), output_token_ids=list(output),
@@ -142,7 +152,7 @@ def _drop_mask(logits: torch.Tensor, settings) -> torch.Tensor:
 @pytest.mark.parametrize("vocab_size", [V, 3000])
 def test_filters_match_transformers_warpers(vocab_size, monkeypatch):
     # few candidates, so that both the top-k candidate path and the full-sort fallback of top-p run
-    monkeypatch.setattr("pagedserve.engine.sampler._MIN_CANDIDATES", 16)
+    monkeypatch.setattr("pagedserve.sample.ops.topk_topp._MIN_CANDIDATES", 16)
     settings = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (20, 0.6, 0.05), (3, 0.3, 0.5),
                 (vocab_size + 50, 0.95, 0.0), (0, 0.999, 0.02), (0, 0.97, 0.0), (200, 0.99, 0.0), (1, 0.5, 0.9)]
     logits = _logits(len(settings), vocab_size, seed=4) / torch.linspace(0.3, 2.0, len(settings)).unsqueeze(1)

@@ -12,12 +12,13 @@ from hypothesis import given, settings, strategies as st
 from scipy.stats import chisquare
 
 from pagedserve.config import EngineConfig, SpeculativeConfig
-from pagedserve.engine.kv_cache.manager import KVCacheManager
-from pagedserve.engine.request import Request
-from pagedserve.engine.sampler import Sampler, SamplingRow, make_generator
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.spec_decode import NgramProposer
+from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.request import Request
+from pagedserve.sample.rejection_sampler import RejectionSampler
+from pagedserve.sample.sampler import Sampler, SamplingRow, make_generator
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.core.sched.scheduler import Scheduler
+from pagedserve.spec_decode import NgramProposer
 from support import run_to_completion
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": null}'
@@ -64,6 +65,11 @@ def test_speculative_config_parses_and_checks():
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, 0.3, 1.2])
 
 
+def _slot(kv: KVCacheManager, request: Request, position: int) -> int:
+    """Cache slot of the token at ``position``: ``block_id * block_size + position % block_size``."""
+    return request.blocks[position // kv.block_size].block_id * kv.block_size + position % kv.block_size
+
+
 def _target(params: SamplingParams) -> torch.Tensor:
     logits = LOGITS.double() / params.temperature
     if params.top_k:
@@ -85,7 +91,7 @@ def test_first_token_after_a_forced_draft_follows_the_target_distribution(params
     for i in range(n):
         gen = make_generator(1000 + i) if seeded else None
         rows += [SamplingRow(params, [3], [], generator=gen), SamplingRow(params, [3], [draft], generator=gen)]
-    out = Sampler(seed=1234).verify(LOGITS.repeat(2 * n, 1), rows, [[draft]] * n)
+    out = RejectionSampler(Sampler(seed=1234)).verify(LOGITS.repeat(2 * n, 1), rows, [[draft]] * n)
     first = torch.tensor([t[0] for t in out.token_ids])
     counts = torch.bincount(first, minlength=8).double()
     support = p > 0
@@ -109,7 +115,7 @@ def test_verify_greedy_accepts_while_the_draft_is_the_argmax_and_seeded_equals_p
     greedy = SamplingParams(temperature=0.0)
     logits = torch.stack([LOGITS, LOGITS.roll(1), LOGITS.roll(2), LOGITS.roll(3)])  # argmaxes 0, 1, 2, 3
     rows = [SamplingRow(greedy, [3], [0, 1, 9][:j]) for j in range(4)]
-    out = Sampler(seed=0).verify(logits, rows, [[0, 1, 9]])
+    out = RejectionSampler(Sampler(seed=0)).verify(logits, rows, [[0, 1, 9]])
     assert out.token_ids == [[0, 1, 2]] and out.num_accepted == [2]
     # seeded: the tokens equal those of plain steps drawing from the same generator, whatever the drafts
     params = SamplingParams(temperature=1.0, seed=5)
@@ -118,7 +124,7 @@ def test_verify_greedy_accepts_while_the_draft_is_the_argmax_and_seeded_equals_p
              for j in range(2)]
     drafts = [plain[0]]
     rows = [SamplingRow(params, [3], [], generator=spec_gen), SamplingRow(params, [3], drafts, generator=spec_gen)]
-    assert Sampler(seed=0).verify(logits[:2], rows, [drafts]).token_ids == [plain]
+    assert RejectionSampler(Sampler(seed=0)).verify(logits[:2], rows, [drafts]).token_ids == [plain]
 
 
 # ---- engine level, small random-weight Llama ----------------------------------------------------------------------
@@ -165,7 +171,7 @@ def test_greedy_with_drafts_equals_plain_decoding_and_drafts_are_accepted(tiny):
     plain, e0, _ = _run(tiny, None, params)
     spec, e1, multi = _run(tiny, SPEC, params)
     assert spec == plain
-    assert e1.num_accepted_tokens > 0 and e1.num_steps < e0.num_steps
+    assert e1.drafter.num_accepted_tokens > 0 and e1.num_steps < e0.num_steps
     stats = e1.stats()
     assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"] > 0
     assert any(size > 1 for sizes in multi.values() for size in sizes)
@@ -184,7 +190,7 @@ def test_sampling_options_apply_at_every_verified_position(tiny, options):
     plain, _, _ = _run(tiny, None, params)
     spec, e1, _ = _run(tiny, SPEC, params)
     assert spec == plain
-    assert e1.num_draft_tokens > 0
+    assert e1.drafter.num_draft_tokens > 0
 
 
 def _stop_cases(tiny):
@@ -234,7 +240,7 @@ def test_preemption_with_drafts_in_flight_keeps_outputs_and_frees_every_block(ti
     big, _, _ = _run(tiny, None, params, prompts, num_kv_blocks=400)
     small, e, _ = _run(tiny, SPEC, params, prompts, num_kv_blocks=30, max_model_len=120)
     assert small == big
-    assert e.scheduler.num_preemptions > 0 and e.num_accepted_tokens > 0
+    assert e.scheduler.num_preemptions > 0 and e.drafter.num_accepted_tokens > 0
 
 
 def test_abort_with_drafts_in_flight_frees_every_block(tiny):
@@ -246,7 +252,7 @@ def test_abort_with_drafts_in_flight_frees_every_block(tiny):
         if any(n > 1 for n in engine.last_step_composition.values()) and \
                 any(r.spec_token_ids for r in engine.scheduler.running):
             break
-    assert engine.num_draft_tokens > 0
+    assert engine.drafter.num_draft_tokens > 0
     engine.abort([f"r{i}" for i in range(6)])
     assert not engine.has_unfinished()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
@@ -260,9 +266,9 @@ def test_large_batches_step_aside(tiny):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
     while len(engine.scheduler.running) + engine.scheduler.num_waiting >= 3:
         engine.step()
-        assert engine.num_draft_tokens == 0
+        assert engine.drafter.num_draft_tokens == 0
     run_to_completion(engine)
-    assert engine.num_draft_tokens > 0
+    assert engine.drafter.num_draft_tokens > 0
 
 
 def test_all_rejected_drafts_back_off_and_outputs_are_unchanged(tiny):
@@ -275,7 +281,7 @@ def test_all_rejected_drafts_back_off_and_outputs_are_unchanged(tiny):
     req = SimpleNamespace(spec_backoff=0, spec_skip=0)
     seen = []
     for accepted in (0, 0, 0, 0, 0, 2, 0):
-        engine._backoff(req, accepted)
+        engine.drafter.backoff(req, accepted)
         seen.append((req.spec_backoff, req.spec_skip))
     assert seen == [(1, 1), (2, 2), (4, 4), (5, 5), (5, 5), (0, 0), (1, 1)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -283,8 +289,8 @@ def test_all_rejected_drafts_back_off_and_outputs_are_unchanged(tiny):
     always, e0, _ = _run(tiny, SPEC.replace("}", ', "rejection_backoff_max": 0}'), params)
     backoff, e1, _ = _run(tiny, SPEC, params)
     assert backoff == always == plain
-    assert e1.num_accepted_tokens > 0
-    assert e1.num_draft_tokens - e1.num_accepted_tokens < e0.num_draft_tokens - e0.num_accepted_tokens
+    assert e1.drafter.num_accepted_tokens > 0
+    assert e1.drafter.num_draft_tokens - e1.drafter.num_accepted_tokens < e0.drafter.num_draft_tokens - e0.drafter.num_accepted_tokens
 
 
 # ---- KV property test with draft slots and rollback ---------------------------------------------------------------
@@ -314,7 +320,7 @@ def test_draft_slots_and_rollback_keep_kv_invariants(ops, caching):
             r, start = e.request, e.request.num_computed_tokens
             inputs = (r.token_ids[start:] + e.draft_token_ids)[:e.num_new_tokens]
             for j, t in enumerate(inputs):
-                slots[kv.slot(r, start + j)] = t
+                slots[_slot(kv, r, start + j)] = t
         sched.update(out)
         for e in out.scheduled:
             if not e.samples:
@@ -335,7 +341,7 @@ def test_draft_slots_and_rollback_keep_kv_invariants(ops, caching):
             for b in r.blocks:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
             for pos in range(r.num_computed_tokens):
-                assert slots[kv.slot(r, pos)] == r.token_ids[pos]
+                assert slots[_slot(kv, r, pos)] == r.token_ids[pos]
         for b in kv.pool.blocks:
             assert b.ref_cnt == holders.get(b.block_id, 0)
             if b.block_hash is not None:

@@ -1,0 +1,213 @@
+"""KV cache manager: block tables, prefix-cache lookups and the accounting the scheduler relies on.
+
+Full, immutable blocks are shared through the prefix cache and between ``n > 1`` completions. Beam search also forks a
+sequence with all its blocks, its partial last block included (PagedAttention, Kwon et al. 2023, section 4.4): a step
+that is about to write into a block held by more than one sequence first gives the writer a private copy
+(copy-on-write). The copies are recorded as ``(src, dst)`` block ids, taken by the scheduler with
+:meth:`KVCacheManager.take_block_copies` and applied by the model runner before that step's forward, so nothing shared is
+ever written. Full blocks are hashed as a
+chain ``sha256(parent_hash, token_ids, extra_keys)`` (vLLM v1's automatic prefix caching) and cached as soon as the
+step that computes them is scheduled: within one forward, every layer writes the step's K/V before any attention
+reads them, so a request scheduled later in the same step may already use them.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from ...request import Request
+from .block_pool import BlockPool, KVBlock
+
+
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_key: str | None) -> bytes:
+    """Chain hash of one full block (32 bytes). ``extra_key`` (the request's cache_salt) separates namespaces."""
+    h = hashlib.sha256(parent_hash or b"\0")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_key:
+        h.update(b"\x01salt:" + extra_key.encode())
+    return h.digest()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters in tokens since start-up."""
+
+    queries_tokens: int = 0   # prompt tokens looked up
+    hits_tokens: int = 0      # of those, served from cache
+
+
+class KVCacheManager:
+    """Allocates and frees a request's KV blocks.
+
+    Args:
+        num_blocks: physical blocks.
+        block_size: tokens per block.
+        enable_prefix_caching: reuse cached full blocks across requests.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.stats = PrefixCacheStats()
+        self._block_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) block ids not yet taken
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by at least one request, in [0, 1]."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def reset_stats(self) -> None:
+        self.stats = PrefixCacheStats()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Blocks a new (or preempted) request can take instead of computing, leaving at least one token to compute.
+
+        For an ``n > 1`` completion whose ``fork_parent`` still holds its prompt blocks, these are the parent's full
+        prompt blocks (shared whether or not prefix caching is on). Otherwise the longest chain of cached full blocks
+        matching the request's tokens. Counts the lookup in :attr:`stats`.
+        """
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        parent = request.fork_parent
+        if parent is not None and parent.blocks:
+            shareable = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
+            hits = parent.blocks[:min(max_blocks, shareable)]
+        elif self.enable_prefix_caching and request.params.prompt_logprobs is None:
+            # (prompt logprobs need every prompt position computed, so such requests skip the cache, as in vLLM)
+            hits = self._lookup_chain(request, max_blocks)
+        else:
+            return []
+        self.stats.queries_tokens += request.num_prompt_tokens
+        self.stats.hits_tokens += min(len(hits) * self.block_size, request.num_prompt_tokens)
+        return hits
+
+    def _lookup_chain(self, request: Request, max_blocks: int) -> list[KVBlock]:
+        hits: list[KVBlock] = []
+        parent = None
+        for i in range(max_blocks):
+            tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = request.block_hashes[i] if i < len(request.block_hashes) else \
+                hash_block(parent, tokens, request.cache_salt)
+            block = self.pool.lookup(h, parent, tokens)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[KVBlock] | None = None) -> bool:
+        """Make the block table cover ``num_computed_tokens (+ cached) + num_new_tokens`` tokens.
+
+        ``cached_blocks`` (from :meth:`find_cached_prefix`, only for a request with no blocks yet) are taken first
+        and advance ``request.num_computed_tokens``. Returns False, changing nothing, when too few blocks are free.
+        """
+        cached_blocks = cached_blocks or []
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(request.blocks) - len(cached_blocks)
+        # Cached hits sitting in the free queue count as free now but stop being free once touched.
+        revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)
+        shared = self._shared_written(request, num_new_tokens)
+        if max(num_new_blocks, 0) + len(shared) > self.pool.num_free_blocks - revived:
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            request.blocks.extend(cached_blocks)
+            request.num_computed_tokens = num_computed
+        for i in shared:
+            self._copy_on_write(request, i)
+        if num_new_blocks > 0:
+            request.blocks.extend(self.pool.allocate(num_new_blocks))
+        self._cache_full_blocks(request, total)
+        return True
+
+    def blocks_to_allocate(self, plan: list[tuple[Request, int]]) -> int:
+        """Blocks that :meth:`allocate_slots` (without cached blocks) for each ``(request, num_new_tokens)`` of
+        ``plan``, in order, would take from the pool: new blocks plus copies. A block shared by ``m`` sequences is
+        copied at most ``m - 1`` times: its last writer finds it private."""
+        num, writers = 0, {}
+        for request, n in plan:
+            num += max(self.blocks_needed(request.num_computed_tokens + n) - len(request.blocks), 0)
+            for i in self._shared_written(request, n):
+                block = request.blocks[i]
+                writers[block] = writers.get(block, 0) + 1
+        return num + sum(min(w, block.ref_cnt - 1) for block, w in writers.items())
+
+    def _shared_written(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indices of the request's existing blocks that the next ``num_new_tokens`` tokens write and that another
+        sequence also holds (a beam fork's partial block): each needs a copy first."""
+        if num_new_tokens <= 0:
+            return []
+        first = request.num_computed_tokens // self.block_size
+        last = min(len(request.blocks), self.blocks_needed(request.num_computed_tokens + num_new_tokens))
+        return [i for i in range(first, last) if request.blocks[i].ref_cnt > 1]
+
+    def _copy_on_write(self, request: Request, i: int) -> None:
+        """Give ``request`` a private copy of its block ``i``; the copy itself is recorded for the model runner."""
+        old = request.blocks[i]
+        new = self.pool.allocate(1)[0]
+        self._block_copies.append((old.block_id, new.block_id))
+        self.pool.free([old])
+        request.blocks[i] = new
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Make ``child`` a copy of ``parent`` that shares every block of it, the partial last one included (one
+        more reference each); tokens, progress and the block hashes are copied. ``child`` must hold no blocks.
+
+        Raises:
+            ValueError: ``child`` already holds blocks.
+        """
+        if child.blocks:
+            raise ValueError(f"fork target {child.request_id!r} already holds KV blocks")
+        self.pool.touch(parent.blocks)
+        child.blocks = list(parent.blocks)
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write ``(src, dst)`` block ids recorded since the last call, in order; clears them."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash and register the blocks that are full once ``num_tokens`` tokens are computed."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        bs = self.block_size
+        for i in range(request.num_registered_blocks, num_full):
+            parent = request.block_hashes[i - 1] if i else None
+            tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
+            if i == len(request.block_hashes):
+                request.block_hashes.append(hash_block(parent, tokens, request.cache_salt))
+            self.pool.cache_block(request.blocks[i], request.block_hashes[i], parent, tokens)
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Hand back the blocks past the first ``blocks_needed(num_tokens)`` (speculative drafts' slots that were
+        rejected). Such tail blocks hold no cached hash: only blocks full of known tokens are registered."""
+        keep = max(self.blocks_needed(num_tokens), request.num_registered_blocks)
+        if len(request.blocks) > keep:
+            self.pool.free(list(reversed(request.blocks[keep:])))
+            del request.blocks[keep:]
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks, tail first (shared prefixes are evicted last)."""
+        self.pool.free(list(reversed(request.blocks)))
+        request.blocks = []
+        request.num_registered_blocks = 0

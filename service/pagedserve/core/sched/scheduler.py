@@ -1,0 +1,330 @@
+"""Continuous-batching scheduler with a token budget, chunked prefill and preemption by recompute
+(Orca, Yu et al. OSDI 2022; vLLM v1's unified scheduler).
+
+Each step: running requests first, in admission order (decodes and unfinished prefill chunks alike), then waiting
+requests by (priority, arrival). A request gets ``min(tokens left to compute, budget left, long_prefill_threshold)``
+new tokens. When blocks run out, the last admitted running request is preempted: its blocks are freed and it goes
+back to the front of the waiting queue, to be recomputed later (the prefix cache usually brings most of it back).
+
+A beam search group (``request.beam``) is one unit: its live beams sit next to each other in ``running``, get their
+blocks (copy-on-write copies included) all or none, are preempted together, and wait as one entry (the first live
+beam) to be readmitted together. The KV copy-on-write copies of a step ride on :attr:`SchedulerOutput.block_copies`.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from ..kv_cache.manager import KVCacheManager
+from ...request import Request, RequestStatus
+from ...outputs import StepResult
+from .output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from .stop import check_stop, is_stop_token
+
+
+class Scheduler:
+    """Decides each step's batch. Builds from plain values: ``Scheduler(KVCacheManager(64, 16), 8, 256)``.
+
+    Args:
+        kv_cache: the KV cache manager.
+        max_num_seqs: running requests at most.
+        max_num_batched_tokens: new tokens per step at most (the token budget).
+        long_prefill_token_threshold: tokens one prefill may take in a step (0: no cap beyond the budget).
+        max_waiting_requests: waiting queue length at most (0: unbounded); :meth:`can_admit` reports it.
+        max_model_len: context length at most (requests end with "length" there; None: only max_tokens ends them).
+    """
+
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int = 0, max_waiting_requests: int = 0,
+                 max_model_len: int | None = None):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
+        self.max_waiting_requests = max_waiting_requests
+        self.running: list[Request] = []
+        self._waiting: list[tuple[int, float, int, Request]] = []   # heap of (priority, arrival, seq, request)
+        self._seq = itertools.count()
+        self.num_preemptions = 0
+        self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
+        self._forking: list[list[Request]] = []   # n > 1 groups whose other completions wait for the prompt
+
+    # ---- queue -------------------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def waiting(self) -> list[Request]:
+        return [entry[3] for entry in sorted(self._waiting)]
+
+    def can_admit(self, num_new: int = 1) -> bool:
+        return self.max_waiting_requests <= 0 or self.num_waiting + num_new <= self.max_waiting_requests
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        heapq.heappush(self._waiting, (request.priority, request.arrival_time, next(self._seq), request))
+
+    def _push_front(self, request: Request) -> None:
+        # A preempted request goes ahead of everything of its priority (-inf arrival keeps that order stable).
+        heapq.heappush(self._waiting, (request.priority, float("-inf"), -next(self._seq), request))
+
+    def add_group(self, children: list[Request]) -> None:
+        """Queue the n completions of one request: the first now, the others once it has computed the prompt
+        (they then share its full prompt blocks through the prefix cache, ``fork_parent`` naming it)."""
+        self.add_request(children[0])
+        if len(children) > 1:
+            for child in children[1:]:
+                child.fork_parent = children[0]
+            self._forking.append(children)
+
+    def _release_forks(self) -> None:
+        """Queue the waiting completions of n > 1 groups whose first completion has computed its prompt (or
+        ended: an aborted group's others are finished too and are dropped here)."""
+        still = []
+        for children in self._forking:
+            first = children[0]
+            if first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished:
+                for child in children[1:]:
+                    if not child.is_finished:
+                        self.add_request(child)
+            else:
+                still.append(children)
+        self._forking = still
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self._waiting or self._forking)
+
+    # ---- step --------------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work and allocate its KV blocks. Never fails for lack of memory: it preempts instead."""
+        if self._forking:
+            self._release_forks()
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.beam is not None:
+                taken = self._schedule_beams(i, out, budget)
+                if taken is None:
+                    break  # the group itself was preempted: nothing after it can be running
+                i, budget = i + taken[0], taken[1]
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_token_threshold)
+            if n <= 0:
+                i += 1
+                req.spec_token_ids = []
+                continue
+            drafts = self._schedule_drafts(req, n, budget)
+            if drafts:
+                out.scheduled.append(ScheduledRequest(req, n + len(drafts), True, drafts))
+                budget -= n + len(drafts)
+                i += 1
+                continue
+            while not self.kv_cache.allocate_slots(req, n):
+                victim = self.running[-1]              # the last admitted request (or beam group)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: nothing after it can be running
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.block_copies = self.kv_cache.take_block_copies()
+        return out
+
+    def _schedule_beams(self, i: int, out: SchedulerOutput, budget: int) -> tuple[int, int] | None:
+        """Schedule the beam group whose beams start at ``running[i]``, all its blocks at once (preempting later
+        requests, or the group itself, when they do not fit). Returns (beams passed, budget left), or None when the
+        group was preempted."""
+        group = self.running[i].beam
+        count = len(group.beams)
+        beams = self.running[i:i + count]
+        assert all(b.beam is group for b in beams), "a beam group's beams must be contiguous in running"
+        plan, left = [], budget
+        for b in beams:
+            n = max(0, min(b.num_tokens - b.num_computed_tokens, left, self.long_prefill_token_threshold))
+            plan.append((b, n))
+            left -= n
+        need = self.kv_cache.blocks_to_allocate(plan)
+        while need > self.kv_cache.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim.beam is group:
+                return None
+        for b, n in plan:
+            b.spec_token_ids = []
+            if n > 0:
+                if not self.kv_cache.allocate_slots(b, n):
+                    raise AssertionError("beam group allocation failed after its blocks were counted")
+                out.scheduled.append(ScheduledRequest(b, n, b.num_computed_tokens + n == b.num_tokens))
+        return count, left
+
+    def _schedule_drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Speculative drafts for a decoding request: as many of ``req.spec_token_ids`` as fit in the budget after
+        its ``n`` known tokens, with KV slots allocated for them (drafts never cause a preemption: without free
+        blocks the request decodes plainly). Returns the scheduled drafts ([] for none); clears the proposal."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or n != req.num_tokens - req.num_computed_tokens:
+            return []
+        drafts = drafts[:max(0, budget - n)]
+        if not drafts or not self.kv_cache.allocate_slots(req, n + len(drafts)):
+            return []
+        return drafts
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self._waiting[0][3]
+            if req.beam is not None:
+                left = self._admit_beams(req.beam, out, budget)
+                if left is None:
+                    break
+                budget = left
+                continue
+            cached = self.kv_cache.find_cached_prefix(req) if not req.blocks else []
+            num_cached = len(cached) * self.kv_cache.block_size
+            n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, self.long_prefill_token_threshold)
+            if not self.kv_cache.allocate_slots(req, n, cached):
+                break
+            heapq.heappop(self._waiting)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            budget -= n
+        return budget
+
+    def _admit_beams(self, group, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit all live beams of a waiting beam group, or none: it needs seats for beam_width beams and, as an
+        upper bound, blocks for every beam's whole sequence (the prefix cache may share some: each beam looks it up
+        after the previous one registered its blocks). Returns the budget left, or None when it does not fit."""
+        beams = group.beams
+        if self.running and len(self.running) + group.width > self.max_num_seqs:
+            return None
+        if sum(self.kv_cache.blocks_needed(b.num_tokens) for b in beams) > self.kv_cache.num_free_blocks:
+            return None
+        heapq.heappop(self._waiting)
+        for b in beams:
+            cached = self.kv_cache.find_cached_prefix(b) if not b.blocks else []
+            num_cached = len(cached) * self.kv_cache.block_size
+            n = max(0, min(b.num_tokens - b.num_computed_tokens - num_cached, budget,
+                           self.long_prefill_token_threshold))
+            if not self.kv_cache.allocate_slots(b, n, cached):
+                raise AssertionError("beam group admission failed after its blocks were counted")
+            if b.num_cached_tokens < 0:
+                b.num_cached_tokens = num_cached
+            b.status = RequestStatus.RUNNING
+            self.running.append(b)
+            if n > 0:
+                out.scheduled.append(ScheduledRequest(b, n, b.num_computed_tokens + n == b.num_tokens))
+            budget -= n
+        return budget
+
+    def insert_beam(self, parent: Request, child: Request) -> None:
+        """Put a new beam forked from running ``parent`` (its blocks already shared) right after it in running."""
+        child.status = RequestStatus.RUNNING
+        self.running.insert(self.running.index(parent) + 1, child)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Preempt ``req`` (the last running request), or its whole beam group: blocks freed, back to waiting."""
+        if req.beam is None:
+            self.running.pop()
+            self._preempt_one(req, out)
+            self._push_front(req)
+            return
+        group = req.beam
+        self.running = [r for r in self.running if r.beam is not group]
+        for b in group.beams:
+            self._preempt_one(b, out)
+        self.num_preemptions -= len(group.beams) - 1   # one preemption per group
+        self._push_front(group.beams[0])
+
+    def _preempt_one(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(req)
+        req.spec_token_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` after the step's forward ran (before new tokens are appended). With
+        drafts this counts them too; :meth:`rollback_drafts` takes the rejected ones back."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
+        """After the step's forward and sampling: advance every scheduled request's ``num_computed_tokens``, then
+        append each sampled request's new tokens (a verified run stops at its first stop), advance its grammar,
+        end it on a stop token, a completed grammar or the length limit (:func:`.stop.check_stop`), and take the
+        KV of rejected drafts back. One request's failure (say,
+        its grammar refusing a token) aborts it alone: its update carries the error.
+
+        Returns one :class:`RequestUpdate` per sampled request still live before the step, in ``result`` order.
+        """
+        self.update(out)
+        updates = []
+        for i, entry in enumerate(result.sampled if result.output is not None else ()):
+            req = entry.request
+            if req.is_finished:
+                continue
+            update = RequestUpdate(req)
+            tokens, logprobs = result.emitted(i)
+            try:
+                for token, lp in zip(tokens, logprobs):
+                    self._append(req, token, lp, update)
+                    if req.is_finished:
+                        break
+                if entry.draft_token_ids:
+                    update.num_draft_tokens, update.num_accepted = len(entry.draft_token_ids), result.num_accepted(i)
+                    self.rollback_drafts(req)
+            except Exception as exc:  # one request's failure must not take the others down
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                update.error = exc
+            updates.append(update)
+        if self._forking:
+            self._release_forks()
+        return updates
+
+    def _append(self, req: Request, token: int, logprobs, update: RequestUpdate) -> None:
+        req.append_output_token(token)
+        update.new_token_ids.append(token)
+        update.new_logprobs.append(logprobs)
+        update.stopped_by_token = is_stop_token(req, token)
+        if req.grammar is not None and not update.stopped_by_token:
+            req.grammar.accept(token)            # the mask allowed it; a completed grammar ends with STOP below
+        ended = check_stop(req, token, self.max_model_len)
+        if ended is not None:
+            req.stop_reason = ended[1]
+            self.finish(req, ended[0])
+
+    def rollback_drafts(self, request: Request) -> None:
+        """After a verified step (its tokens appended): forget the KV of rejected drafts. ``num_computed_tokens``
+        drops to ``num_tokens - 1`` (the last token, verified or resampled, is computed next step) and blocks past
+        what ``num_tokens`` needs go back to the pool (they were never hashed: only known tokens are)."""
+        if request.is_finished:
+            return
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv_cache.trim(request, request.num_tokens)
+
+    # ---- removal -----------------------------------------------------------------------------------------------
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from wherever it is (running, waiting, or not queued yet) and free its blocks.
+        Safe to call twice."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._waiting = [e for e in self._waiting if e[3] is not request]
+            heapq.heapify(self._waiting)
+        self.kv_cache.free(request)
+        request.status = status

@@ -1,0 +1,35 @@
+"""The KV cache's tensors: their element type, size per block and allocation (the block accounting that indexes
+them is :mod:`pagedserve.core.kv_cache`)."""
+from __future__ import annotations
+
+import torch
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type for ``EngineConfig.kv_cache_dtype`` ``name``: "auto" is ``model_dtype``,
+    otherwise ``torch.<name>``.
+
+    Raises:
+        ValueError: naming kv_cache_dtype, a type other than ``model_dtype`` on a non-CPU device (the CUDA kernels
+            read and write the cache in the model's dtype only).
+    """
+    if name == "auto":
+        return model_dtype
+    dtype = getattr(torch, name)
+    if dtype != model_dtype and device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype: {name} differs from the model dtype {str(model_dtype).removeprefix('torch.')}; a cache "
+                         f"type of its own is supported on CPU only (use auto on {device.type})")
+    return dtype
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
