@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve_client import cli as client_cli
+from support import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -59,6 +60,13 @@ def test_counters_and_histograms_after_a_known_run(server, client, scrape):
     with pytest.raises(grpc.RpcError) as err:  # one refused call: counted under its status code
         list(client.generate("hi", max_tokens=0))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The server counts a call as handled after it has sent the status, so the client can see the error first.
+    rpc = {"grpc_service": "pagedserve.v1.InferenceService", "grpc_method": "Generate", "grpc_type": "server_stream"}
+
+    def refused() -> float:
+        return delta(before, scrape(), "grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **rpc)
+
+    wait_until(lambda: refused() == 1, 10, lambda: f"{refused()} refused calls handled, want 1")
     after = scrape()
 
     m = {"model_name": model}
@@ -78,7 +86,6 @@ def test_counters_and_histograms_after_a_known_run(server, client, scrape):
         assert value(after, f"pagedserve:{gauge}", **m) == 0.0, gauge
     assert value(after, "pagedserve:num_preemptions_total", **m) == server.engine.stats()["num_preemptions"]
 
-    rpc = {"grpc_service": "pagedserve.v1.InferenceService", "grpc_method": "Generate", "grpc_type": "server_stream"}
     assert delta(before, after, "grpc_server_started_total", **rpc) == len(runs) + 1
     assert delta(before, after, "grpc_server_handled_total", grpc_code="OK", **rpc) == len(runs)
     assert delta(before, after, "grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **rpc) == 1
