@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+LINEAR_KERNELS = ("auto", "float-activations", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -60,7 +61,9 @@ class EngineConfig:
             (32, 64 or 128); GGUF blocks keep their own (32).
         linear_kernels: what runs the linears on CPU: "auto" (pagedserve's AVX2 kernels for float32, int4 and
             int8 weights, compiled with the system C++ compiler at first start and cached; torch's where the CPU
-            lacks AVX2/FMA or no compiler is found, with a log line) or "torch" (torch's own kernels).
+            lacks AVX2/FMA or no compiler is found, with a log line; the int4/int8 linears quantize activations
+            per token to int8 in blocks of 32 from 16 tokens, e.g. prefill, for integer dot products, as llama.cpp
+            does), "float-activations" (the same kernels, activations always float32) or "torch" (torch's own).
         speculative_config: speculative decoding as vLLM's JSON, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
             "disable_by_batch_size": 8}`` (prompt lookup drafts verified by the target model; output unchanged in
@@ -96,7 +99,7 @@ class EngineConfig:
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     quant_group_size: int = field(default=32, metadata={"choices": (32, 64, 128)})
-    linear_kernels: str = field(default="auto", metadata={"choices": ("auto", "torch")})
+    linear_kernels: str = field(default="auto", metadata={"choices": LINEAR_KERNELS})
     speculative_config: str | None = None
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 60.0
@@ -108,8 +111,8 @@ class EngineConfig:
         _check(self.quant_group_size in (32, 64, 128), "quant_group_size", "must be 32, 64 or 128")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                f"unknown dtype {self.kv_cache_dtype!r}; one of {', '.join(KV_CACHE_DTYPES)}")
-        _check(self.linear_kernels in ("auto", "torch"), "linear_kernels",
-               f"unknown choice {self.linear_kernels!r}; one of auto, torch")
+        _check(self.linear_kernels in LINEAR_KERNELS, "linear_kernels",
+               f"unknown choice {self.linear_kernels!r}; one of {', '.join(LINEAR_KERNELS)}")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _check(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
         _check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown dtype {self.dtype!r}")
