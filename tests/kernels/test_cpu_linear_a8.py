@@ -29,26 +29,31 @@ TOKEN_COUNTS = [1, 3, 6, 17, 258]   # tile of 4: tails 1, 3, 2, 1; 258: two toke
 EPS = torch.finfo(torch.float32).eps
 
 
-def _quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x^ = a * d in float64 [M, K], d per block [M, K // 32]) as the kernel rounds them."""
+def _quantize_acts(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x^ in float64 [M, K], the last level's d per block [M, K // 32]) as the kernel rounds them: level 1
+    ``a * d``, level 2 adds the same quantization of level 1's float32 residual."""
     m, k = x.shape
-    xb = x.view(m, k // 32, 32)
-    amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))   # float32, as in the kernel
-    a = torch.round(xb * inv)
-    d = amax / 127.0
-    return (a.double() * d.double()).view(m, k), d.squeeze(-1)
+    xb, xq = x.view(m, k // 32, 32), torch.zeros(m, k // 32, 32, dtype=torch.float64)
+    for _ in range(levels):
+        amax = xb.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))   # float32, as in the kernel
+        a = torch.round(xb * inv)
+        d = amax / 127.0
+        xq += a.double() * d.double()
+        xb = torch.addcmul(xb, a, d, value=-1.0)   # the residual in float32 (one rounding, as the kernel's fnmadd)
+    return xq.view(m, k), d.squeeze(-1)
 
 
-def _check(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, offset=None) -> None:
+def _check(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None, levels: int,
+           offset=None) -> None:
     """got against both oracles (module docstring). offset: |the part of W the kernel multiplies in integers| when
     it differs from |W| (Q4: q * scale, the min applied through the block sums), for the accumulation bound."""
-    xq, d = _quantize_acts(x)
+    xq, d = _quantize_acts(x, levels)
     b = 0.0 if bias is None else bias.double()
     w = dense.double()
     nb = x.shape[1] // 32
     terms = xq.abs() @ (w.abs() if offset is None else offset.double() + w.abs()).t()
-    accum = (2 * nb + 8) * EPS * terms + 1e-5
+    accum = (4 * nb + 8) * EPS * terms + 1e-5
     emulated = xq @ w.t() + b
     assert ((got.double() - emulated).abs() <= accum).all(), (got.double() - emulated).abs().max()
     ref = F.linear(x.double(), w) + b
@@ -61,22 +66,24 @@ def _check(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.
 @needs_kernels
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_q4_a8_matches_dequantized_fp32(m, group):
+@pytest.mark.parametrize("levels", [1, 2])
+def test_q4_a8_matches_dequantized_fp32(m, group, levels):
     gen = torch.Generator().manual_seed(7 * m + group)
     q = quantize_int4(torch.randn(61, 384, generator=gen), group)   # 61 rows: 7 panels and 5 rows
     layer = StreamingInt4Linear(q, torch.randn(61, generator=gen))
     x = torch.randn(m, 384, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     x[0, 32:64] = 0.0                                            # a block of zeros: d = 0
-    got = torch.ops.pagedserve_cpu.linear_q4_a8(x, layer.codes, layer.scales, layer.mins, group, layer.bias)
+    got = torch.ops.pagedserve_cpu.linear_q4_a8(x, layer.codes, layer.scales, layer.mins, group, layer.bias, levels)
     offset = (q.dequantize().double() - layer.mins.double().repeat_interleave(group, 1)).abs()
-    _check(got, x, q.dequantize(), layer.bias, offset)
-    nobias = torch.ops.pagedserve_cpu.linear_q4_a8(x, layer.codes, layer.scales, layer.mins, group, None)
+    _check(got, x, q.dequantize(), layer.bias, levels, offset)
+    nobias = torch.ops.pagedserve_cpu.linear_q4_a8(x, layer.codes, layer.scales, layer.mins, group, None, levels)
     assert torch.allclose(nobias + layer.bias, got, atol=1e-4, rtol=1e-5)
 
 
 @needs_kernels
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
-def test_q8_a8_matches_dequantized_fp32(m):
+@pytest.mark.parametrize("levels", [1, 2])
+def test_q8_a8_matches_dequantized_fp32(m, levels):
     gen = torch.Generator().manual_seed(300 + m)
     codes = torch.randint(-128, 128, (45, 160), dtype=torch.int8, generator=gen)   # 45 rows: 5 panels and 5 rows
     codes[0, :8] = -128
@@ -86,8 +93,9 @@ def test_q8_a8_matches_dequantized_fp32(m):
     bias = torch.randn(45, generator=gen)
     for weight in (blocks, channel):
         layer = StreamingInt8Linear(weight, bias)
-        got = torch.ops.pagedserve_cpu.linear_q8_a8(x, layer.codes, layer.scales, layer.group_size, layer.bias)
-        _check(got, x, weight.dequantize(), bias)
+        got = torch.ops.pagedserve_cpu.linear_q8_a8(x, layer.codes, layer.scales, layer.group_size, layer.bias,
+                                                    levels)
+        _check(got, x, weight.dequantize(), bias, levels)
 
 
 @needs_kernels
@@ -99,13 +107,15 @@ def test_layers_switch_to_int8_activations_at_min_tokens():
     q8 = StreamingInt8Linear(quantize_int8_per_channel(torch.randn(40, 96, generator=gen)))
     assert (q4.a8_min_tokens, q8.a8_min_tokens) == (0, 0)
     model = torch.nn.Sequential(q4, torch.nn.Linear(40, 96), q8)
-    assert use_int8_activations(model, 16) == 2 and q4.a8_min_tokens == 16 == q8.a8_min_tokens
+    assert use_int8_activations(model, 16, 1) == 2 and q4.a8_min_tokens == 16 == q8.a8_min_tokens
     ops = torch.ops.pagedserve_cpu
     small, big = torch.randn(15, 96, generator=gen), torch.randn(2, 8, 96, generator=gen)
     assert torch.equal(q4(small), ops.linear_q4(small, q4.codes, q4.scales, q4.mins, 32, None))
     flat = big.reshape(16, 96)
-    assert torch.equal(q4(big).reshape(16, 40), ops.linear_q4_a8(flat, q4.codes, q4.scales, q4.mins, 32, None))
-    assert torch.equal(q8(big).reshape(16, 40), ops.linear_q8_a8(flat, q8.codes, q8.scales, 96, None))
+    assert torch.equal(q4(big).reshape(16, 40), ops.linear_q4_a8(flat, q4.codes, q4.scales, q4.mins, 32, None, 1))
+    assert torch.equal(q8(big).reshape(16, 40), ops.linear_q8_a8(flat, q8.codes, q8.scales, 96, None, 1))
+    use_int8_activations(model, 16, 2)
+    assert torch.equal(q4(big).reshape(16, 40), ops.linear_q4_a8(flat, q4.codes, q4.scales, q4.mins, 32, None, 2))
     assert torch.equal(q8(small), ops.linear_q8(small, q8.codes, q8.scales, 96, None))
     assert q4(big.bfloat16()).dtype == torch.bfloat16
     use_int8_activations(model, 0)
@@ -115,6 +125,8 @@ def test_layers_switch_to_int8_activations_at_min_tokens():
 def test_int8_activation_settings_errors():
     with pytest.raises(ValueError, match="min_tokens"):
         use_int8_activations(torch.nn.Sequential(), -1)
+    with pytest.raises(ValueError, match="levels"):
+        use_int8_activations(torch.nn.Sequential(), 16, 3)
     with pytest.raises(ValueError, match="linear_kernels"):
         EngineConfig(linear_kernels="int8")
     assert EngineConfig(linear_kernels="float-activations").linear_kernels == "float-activations"
@@ -126,10 +138,13 @@ def test_a8_kernels_reject_bad_arguments():
     codes = torch.zeros(8, 24, dtype=torch.uint8)                   # K = 48: not a multiple of 32
     scales = torch.ones(8, 3)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.pagedserve_cpu.linear_q4_a8(torch.randn(2, 48), codes, scales, scales, 16, None)
+        torch.ops.pagedserve_cpu.linear_q4_a8(torch.randn(2, 48), codes, scales, scales, 16, None, 1)
     with pytest.raises(RuntimeError, match="x has K"):
         torch.ops.pagedserve_cpu.linear_q8_a8(torch.randn(2, 32), torch.zeros(8, 64, dtype=torch.int8),
-                                              torch.ones(8, 2), 32, None)
+                                              torch.ones(8, 2), 32, None, 1)
     with pytest.raises(RuntimeError, match="scale must be"):
         torch.ops.pagedserve_cpu.linear_q8_a8(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.int8),
-                                              torch.ones(8, 3), 32, None)
+                                              torch.ones(8, 3), 32, None, 1)
+    with pytest.raises(RuntimeError, match="levels must be 1 or 2"):
+        torch.ops.pagedserve_cpu.linear_q8_a8(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.int8),
+                                              torch.ones(8, 2), 32, None, 3)

@@ -40,6 +40,7 @@ LINEAR_KERNELS = ("auto", "float-activations", "torch")
 # thread, same process: int8 vs float activations 0.82x at M=1, 0.74x at 2, 1.74x at 4, 1.25x at 8, 1.78x at 16,
 # 1.88x at 32 (bench/README.md, "int8 activations"); 16 keeps the decode of a few streams on float activations.
 A8_MIN_TOKENS = 16
+A8_LEVELS = 2
 
 
 def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
@@ -120,12 +121,13 @@ class StreamingInt4Linear(nn.Module):
         self.register_buffer("scales", weight.scales.to(torch.float32).contiguous())
         self.register_buffer("mins", (weight.zeros - 8.0 * weight.scales).to(torch.float32).contiguous())
         self.bias = _bias(bias)
-        self.a8_min_tokens = 0
+        self.a8_min_tokens, self.a8_levels = 0, 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
-        op = ops.linear_q4_a8 if _a8_tokens(x, self.in_features, self.a8_min_tokens) else ops.linear_q4
-        y = op(_rows(x, self.in_features), self.codes, self.scales, self.mins, self.group_size, self.bias)
+        a8 = _a8_tokens(x, self.in_features, self.a8_min_tokens)
+        args = (_rows(x, self.in_features), self.codes, self.scales, self.mins, self.group_size, self.bias)
+        y = ops.linear_q4_a8(*args, self.a8_levels) if a8 else ops.linear_q4(*args)
         return _like(y, x)
 
     def extra_repr(self) -> str:
@@ -153,12 +155,13 @@ class StreamingInt8Linear(nn.Module):
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.bias = _bias(bias)
-        self.a8_min_tokens = 0
+        self.a8_min_tokens, self.a8_levels = 0, 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
-        op = ops.linear_q8_a8 if _a8_tokens(x, self.in_features, self.a8_min_tokens) else ops.linear_q8
-        y = op(_rows(x, self.in_features), self.codes, self.scales, self.group_size, self.bias)
+        a8 = _a8_tokens(x, self.in_features, self.a8_min_tokens)
+        args = (_rows(x, self.in_features), self.codes, self.scales, self.group_size, self.bias)
+        y = ops.linear_q8_a8(*args, self.a8_levels) if a8 else ops.linear_q8(*args)
         return _like(y, x)
 
     def extra_repr(self) -> str:
@@ -188,20 +191,22 @@ def use_cpu_kernels(model: nn.Module) -> int:
     return swapped
 
 
-def use_int8_activations(model: nn.Module, min_tokens: int = A8_MIN_TOKENS) -> int:
-    """Set ``a8_min_tokens = min_tokens`` (0: int8 activations off) on every :class:`StreamingInt4Linear` and
-    :class:`StreamingInt8Linear` of ``model`` whose K and group size are multiples of 32. Returns how many layers
-    were set.
+def use_int8_activations(model: nn.Module, min_tokens: int = A8_MIN_TOKENS, levels: int = A8_LEVELS) -> int:
+    """Set ``a8_min_tokens = min_tokens`` (0: int8 activations off) and ``a8_levels = levels`` on every
+    :class:`StreamingInt4Linear` and :class:`StreamingInt8Linear` of ``model`` whose K and group size are multiples
+    of 32. Returns how many layers were set.
 
     Raises:
-        ValueError: a negative ``min_tokens``.
+        ValueError: a negative ``min_tokens``, ``levels`` other than 1 or 2.
     """
     if min_tokens < 0:
         raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
+    if levels not in (1, 2):
+        raise ValueError(f"levels: must be 1 or 2, got {levels}")
     count = 0
     for module in model.modules():
         if isinstance(module, (StreamingInt4Linear, StreamingInt8Linear)) and module.in_features % 32 == 0 \
                 and module.group_size % 32 == 0:
-            module.a8_min_tokens = min_tokens
+            module.a8_min_tokens, module.a8_levels = min_tokens, levels
             count += 1
     return count

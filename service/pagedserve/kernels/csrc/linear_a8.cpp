@@ -1,5 +1,6 @@
-// linear_q4_a8, linear_q8_a8: the quantized linears with int8 activations (formats: linear.hpp; the integer tiles
-// and the activation format: linear_a8.hpp). For prefill chunks: the float path (linear_quant.cpp) does one float
+// linear_q4_a8, linear_q8_a8: the quantized linears with int8 activations, one level or two (the second quantizes
+// the first's residual: twice the integer work, 254x smaller rounding error) (formats: linear.hpp; the integer
+// tiles and the activation format: linear_a8.hpp). For prefill chunks: the float path (linear_quant.cpp) does one float
 // FMA per weight per token after decoding each weight to float32; these quantize the activations once per call and
 // do 4 weights x 1 token per byte lane with maddubs, so the float work is one FMA (two for q4) per block of 32
 // per 8 rows per token.
@@ -24,17 +25,25 @@ constexpr int kA8Tokens = 4;            // tokens per register tile (4 int and 4
 constexpr int64_t kA8TokenBlock = 256;  // tokens per panel repack: a block's int8 activations stay in L2
 
 struct ActsA8 {
-  std::vector<int8_t> a;   // [M, K]
-  std::vector<float> d;    // [M, K / 32]
-  std::vector<float> s;    // [M, K / 32]
+  int levels;
+  std::vector<int8_t> a[2];   // per level [M, K]
+  std::vector<float> d[2];    // per level [M, K / 32]
+  std::vector<float> s;       // [M, K / 32]
 };
 
-ActsA8 quantize_acts(const float* x, int64_t M, int64_t K) {
+ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels) {
   const int64_t nb = K / kActBlock;
-  ActsA8 q{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  ActsA8 q{levels, {}, {}, std::vector<float>(M * nb)};
+  for (int l = 0; l < levels; ++l) {
+    q.a[l].resize(M * K);
+    q.d[l].resize(M * nb);
+  }
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      quantize_row_a8(x + t * K, K, q.a.data() + t * K, q.d.data() + t * nb, q.s.data() + t * nb);
+    for (int64_t t = begin; t < end; ++t) {
+      int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
+      float* d[2] = {q.d[0].data() + t * nb, levels > 1 ? q.d[1].data() + t * nb : nullptr};
+      quantize_row_a8(x + t * K, K, levels, a, d, q.s.data() + t * nb);
+    }
   });
   return q;
 }
@@ -96,7 +105,10 @@ void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_
   const int64_t nb = K / kActBlock;
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  a8_tile<kQ4, T>(codes, dw, mw, nb, q.a.data() + m * K, K, q.d.data() + m * nb, q.s.data() + m * nb, nb, acc);
+  const float* s = q.s.data() + m * nb;
+  a8_tile<kQ4, T>(codes, dw, mw, nb, q.a[0].data() + m * K, K, q.d[0].data() + m * nb, s, nb, acc);
+  if (q.levels > 1)   // the residual level: the panel is still in L1; its min term is in s already
+    a8_tile<kQ4, T, false>(codes, dw, mw, nb, q.a[1].data() + m * K, K, q.d[1].data() + m * nb, s, nb, acc);
   __m256 b = _mm256_setzero_ps();
   alignas(32) float tmp[kPanelRows];
   if (bias) {
@@ -116,8 +128,8 @@ void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_
 
 template <bool kQ4, class Panels>
 void run_panels_a8(const Panels& panels, const float* x, int64_t M, int64_t K, int64_t N, float* out,
-                   const float* bias) {
-  const ActsA8 q = quantize_acts(x, M, K);
+                   const float* bias, int levels) {
+  const ActsA8 q = quantize_acts(x, M, K, levels);
   const int64_t units = (N + kPanelRows - 1) / kPanelRows, nb = K / kActBlock;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(K * kPanelRows);
@@ -141,6 +153,10 @@ void run_panels_a8(const Panels& panels, const float* x, int64_t M, int64_t K, i
   });
 }
 
+void check_levels(int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2, got ", levels);
+}
+
 void check_a8_groups(const at::Tensor& t, int64_t N, int64_t K, int64_t group_size, const char* what) {
   TORCH_CHECK(K % kActBlock == 0, "K must be a multiple of 32 for int8 activations, got ", K);
   TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
@@ -152,32 +168,36 @@ void check_a8_groups(const at::Tensor& t, int64_t N, int64_t K, int64_t group_si
 }  // namespace
 
 at::Tensor linear_q4_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
-                        int64_t group_size, const c10::optional<at::Tensor>& bias) {
+                        int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "codes must be contiguous uint8 [N, K / 2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, M = x.size(0);
   check_input(x, K, bias, N);
+  check_levels(levels);
   check_a8_groups(scale, N, K, group_size, "scale");
   check_a8_groups(min, N, K, group_size, "min");
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   run_panels_a8<true>(Q4Panels{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K,
                                group_size},
-                      x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
+                      x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                      static_cast<int>(levels));
   return out;
 }
 
 at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
-                        const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& bias, int64_t levels) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "codes must be contiguous int8 [N, K]");
   const int64_t N = codes.size(0), K = codes.size(1), M = x.size(0);
   check_input(x, K, bias, N);
+  check_levels(levels);
   check_a8_groups(scale, N, K, group_size, "scale");
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   run_panels_a8<false>(Q8Panels{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size},
-                       x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
+                       x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                       static_cast<int>(levels));
   return out;
 }
 

@@ -4,7 +4,8 @@
 // q8_0 x q8_0 dot products do, but with the rows in the vector lanes so one block's float work serves 8 rows.
 //
 // Activations (per token t, block b of 32 along K): d[t, b] = max|x| / 127, a = round(x / d) in -127..127 (int8),
-// s[t, b] = d * sum(a) (ggml's q8_1 sum). The q4 min term takes s rather than the exact float sum of x so that the
+// s[t, b] = d * sum(a) (ggml's q8_1 sum); with two levels the residual x - a * d is quantized again the same way
+// (a2, d2 <= d / 254), x^ = a * d + a2 * d2 and s sums both. The q4 min term takes s rather than the exact float sum of x so that the
 // result is exactly the dot product of the weights with the rounded activations x^ = a * d: the error is then
 // sum_k w_k (x_k - x^_k), at most sum_b d[t, b] / 2 * sum_(k in b) |w_k|. (With the exact sum the error would be
 // sum_k (w_k - min) (x_k - x^_k), the unsigned codes' offset added: measured about 2x larger, max error 0.72
@@ -31,29 +32,38 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// x[K] -> a[K] int8, d[K / 32], s[K / 32]; K a multiple of 32.
-inline void quantize_row_a8(const float* x, int64_t K, int8_t* a, float* d, float* s) {
+// One block of 32 (v[4]) -> a[32] int8 and its scale *d; returns d * sum(a) and leaves the residual
+// v - a * d in v.
+inline float quantize_block_a8(__m256 v[4], int8_t* a, float* d) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float am = _mm_cvtss_f32(m);
+  *d = am / 127.0f;
+  const __m256 inv = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f), dv = _mm256_set1_ps(*d);
+  __m256i i[4];   // round to nearest even (the default MXCSR mode); |x| * 127 / amax <= 127 (+ rounding)
+  for (int p = 0; p < 4; ++p) {
+    i[p] = _mm256_cvtps_epi32(_mm256_mul_ps(v[p], inv));
+    v[p] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(i[p]), dv, v[p]);
+  }
+  const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  // packs interleave the 128-bit lanes: 4-byte groups come out as 0 2 4 6 1 3 5 7 of the wanted order
+  const __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return *d * hsum(_mm256_cvtepi32_ps(isum));   // the int sum is exact: |sum| <= 32 * 127
+}
+
+// x[K] -> per level l < levels: a[l][K] int8, d[l][K / 32]; s[K / 32] = sum over levels of d * sum(a). Level 2
+// quantizes level 1's residual the same way. K a multiple of 32.
+inline void quantize_row_a8(const float* x, int64_t K, int levels, int8_t* const* a, float* const* d, float* s) {
   for (int64_t b = 0; b < K / kActBlock; ++b) {
-    const float* xb = x + b * kActBlock;
     __m256 v[4];
-    for (int p = 0; p < 4; ++p) v[p] = _mm256_loadu_ps(xb + 8 * p);
-    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float am = _mm_cvtss_f32(m);
-    d[b] = am / 127.0f;
-    const __m256 inv = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f);
-    __m256i i[4];   // round to nearest even (the default MXCSR mode); |x| * 127 / amax <= 127 (+ rounding)
-    for (int p = 0; p < 4; ++p) i[p] = _mm256_cvtps_epi32(_mm256_mul_ps(v[p], inv));
-    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-    s[b] = d[b] * hsum(_mm256_cvtepi32_ps(isum));   // exact: |sum| <= 32 * 127
-    // packs interleave the 128-bit lanes: 4-byte groups come out as 0 2 4 6 1 3 5 7 of the wanted order
-    const __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + b * kActBlock), _mm256_permutevar8x32_epi32(q, order));
+    for (int p = 0; p < 4; ++p) v[p] = _mm256_loadu_ps(x + b * kActBlock + 8 * p);
+    s[b] = 0.0f;
+    for (int l = 0; l < levels; ++l) s[b] += quantize_block_a8(v, a[l] + b * kActBlock, d[l] + b);
   }
 }
 
@@ -79,8 +89,9 @@ inline void transpose8x8(__m256i r[8]) {
 }
 
 // One tile: 8 panel rows x T tokens over nb blocks. a: token 0's int8 row (tokens lda apart); d, s: token 0's block
-// scales and sums (ldd apart). Adds into acc[t] (lane r: row r).
-template <bool kQ4, int T>
+// scales and sums (ldd apart). Adds into acc[t] (lane r: row r); kMin: with the q4 min term (one level of the
+// activations only).
+template <bool kQ4, int T, bool kMin = kQ4>
 inline void a8_tile(const uint8_t* codes, const float* dw, const float* mw, int64_t nb, const int8_t* a,
                        int64_t lda, const float* d, const float* s, int64_t ldd, __m256 acc[T]) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -109,7 +120,7 @@ inline void a8_tile(const uint8_t* codes, const float* dw, const float* mw, int6
       const __m256i i32 = kQ4 ? _mm256_madd_epi16(isum[t], ones) : isum[t];
       const __m256 scale = _mm256_mul_ps(dwb, _mm256_broadcast_ss(d + t * ldd + b));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), scale, acc[t]);
-      if constexpr (kQ4)
+      if constexpr (kMin)
         acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b * kPanelRows), _mm256_broadcast_ss(s + t * ldd + b), acc[t]);
     }
   }

@@ -29,9 +29,9 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
                      const c10::optional<at::Tensor>& bias);
 at::Tensor linear_q4_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
-                        int64_t group_size, const c10::optional<at::Tensor>& bias);
+                        int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels);
 at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
-                        const c10::optional<at::Tensor>& bias);
+                        const c10::optional<at::Tensor>& bias, int64_t levels);
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
