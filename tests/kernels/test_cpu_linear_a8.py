@@ -25,6 +25,18 @@ from pagedserve.models.quant import Int8BlockWeight, quantize_int4, quantize_int
 
 needs_kernels = pytest.mark.skipif(cpu_kernel_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
 
+
+@pytest.fixture(params=["avx2", "avx-vnni"])
+def isa(request):
+    """Each tile: AVX2 (maddubs), and AVX-VNNI where the CPU has it (skipped elsewhere); restores the default."""
+    ops = torch.ops.pagedserve_cpu
+    default = ops.linear_a8_vnni(-1)
+    if ops.linear_a8_vnni(1 if request.param == "avx-vnni" else 0) != (request.param == "avx-vnni"):
+        ops.linear_a8_vnni(1 if default else 0)
+        pytest.skip("the CPU lacks AVX-VNNI")
+    yield request.param
+    ops.linear_a8_vnni(1 if default else 0)
+
 TOKEN_COUNTS = [1, 3, 6, 17, 258]   # tile of 4: tails 1, 3, 2, 1; 258: two token blocks of 256
 EPS = torch.finfo(torch.float32).eps
 
@@ -67,7 +79,7 @@ def _check(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("levels", [1, 2])
-def test_q4_a8_matches_dequantized_fp32(m, group, levels):
+def test_q4_a8_matches_dequantized_fp32(m, group, levels, isa):
     gen = torch.Generator().manual_seed(7 * m + group)
     q = quantize_int4(torch.randn(61, 384, generator=gen), group)   # 61 rows: 7 panels and 5 rows
     layer = StreamingInt4Linear(q, torch.randn(61, generator=gen))
@@ -83,7 +95,7 @@ def test_q4_a8_matches_dequantized_fp32(m, group, levels):
 @needs_kernels
 @pytest.mark.parametrize("m", TOKEN_COUNTS)
 @pytest.mark.parametrize("levels", [1, 2])
-def test_q8_a8_matches_dequantized_fp32(m, levels):
+def test_q8_a8_matches_dequantized_fp32(m, levels, isa):
     gen = torch.Generator().manual_seed(300 + m)
     codes = torch.randint(-128, 128, (45, 160), dtype=torch.int8, generator=gen)   # 45 rows: 5 panels and 5 rows
     codes[0, :8] = -128
@@ -129,6 +141,8 @@ def test_int8_activation_settings_errors():
         use_int8_activations(torch.nn.Sequential(), 16, 3)
     with pytest.raises(ValueError, match="linear_kernels"):
         EngineConfig(linear_kernels="int8")
+    with pytest.raises(ValueError, match="levels"):
+        use_int8_activations(torch.nn.Sequential(), 16, 0)
     assert EngineConfig(linear_kernels="float-activations").linear_kernels == "float-activations"
     assert A8_MIN_TOKENS >= 2
 

@@ -16,6 +16,7 @@
 
 #include "linear.hpp"
 #include "linear_a8.hpp"
+#include "linear_a8_vnni.hpp"
 #include "ops.h"
 
 namespace pagedserve::cpu {
@@ -26,6 +27,7 @@ constexpr int64_t kA8TokenBlock = 256;  // tokens per panel repack: a block's in
 
 struct ActsA8 {
   int levels;
+  bool vnni;                  // the AVX-VNNI tile (linear_a8_vnni.hpp)
   std::vector<int8_t> a[2];   // per level [M, K]
   std::vector<float> d[2];    // per level [M, K / 32]
   std::vector<float> s;       // [M, K / 32]
@@ -33,7 +35,7 @@ struct ActsA8 {
 
 ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels) {
   const int64_t nb = K / kActBlock;
-  ActsA8 q{levels, {}, {}, std::vector<float>(M * nb)};
+  ActsA8 q{levels, a8_vnni_enabled(), {}, {}, std::vector<float>(M * nb)};
   for (int l = 0; l < levels; ++l) {
     q.a[l].resize(M * K);
     q.d[l].resize(M * nb);
@@ -106,9 +108,16 @@ void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   const float* s = q.s.data() + m * nb;
-  a8_tile<kQ4, T>(codes, dw, mw, nb, q.a[0].data() + m * K, K, q.d[0].data() + m * nb, s, nb, acc);
-  if (q.levels > 1)   // the residual level: the panel is still in L1; its min term is in s already
-    a8_tile<kQ4, T, false>(codes, dw, mw, nb, q.a[1].data() + m * K, K, q.d[1].data() + m * nb, s, nb, acc);
+  const int8_t *a0 = q.a[0].data() + m * K, *a1 = q.levels > 1 ? q.a[1].data() + m * K : nullptr;
+  const float *d0 = q.d[0].data() + m * nb, *d1 = q.levels > 1 ? q.d[1].data() + m * nb : nullptr;
+  // the residual level (a1): the panel is still in L1; its min term is in s already
+  if (q.vnni) {
+    a8_tile_vnni<kQ4, T>(codes, dw, mw, nb, a0, K, d0, s, nb, acc);
+    if (a1) a8_tile_vnni<kQ4, T, false>(codes, dw, mw, nb, a1, K, d1, s, nb, acc);
+  } else {
+    a8_tile<kQ4, T>(codes, dw, mw, nb, a0, K, d0, s, nb, acc);
+    if (a1) a8_tile<kQ4, T, false>(codes, dw, mw, nb, a1, K, d1, s, nb, acc);
+  }
   __m256 b = _mm256_setzero_ps();
   alignas(32) float tmp[kPanelRows];
   if (bias) {
@@ -199,6 +208,12 @@ at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::
                        x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
                        static_cast<int>(levels));
   return out;
+}
+
+bool linear_a8_vnni(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "mode must be -1 (query), 0 (off) or 1 (on where the CPU has AVX-VNNI)");
+  if (mode >= 0) a8_vnni_enabled() = mode == 1 && __builtin_cpu_supports("avxvnni");
+  return a8_vnni_enabled();
 }
 
 }  // namespace pagedserve::cpu

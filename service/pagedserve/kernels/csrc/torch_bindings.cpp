@@ -14,6 +14,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("linear_q4_a8(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias, int levels) "
         "-> Tensor");
   m.def("linear_q8_a8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias, int levels) -> Tensor");
+  m.def("linear_a8_vnni(int mode) -> bool", &linear_a8_vnni);   // no tensors: a catch-all kernel
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("rotary_embedding(Tensor positions, Tensor x, Tensor cos_sin, bool is_neox) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
