@@ -7,14 +7,15 @@ One prefill: the model's forward over a P-token prompt (pagedserve's CPU attenti
 a fresh paged KV cache, block size 16) and the logits of the last position, as the engine computes them. The two
 settings are the same loaded model with ``a8_min_tokens`` set to 0 (float32 activations: ``linear_q4`` /
 ``linear_q8``) or :data:`~pagedserve.models.cpu_linear.A8_MIN_TOKENS` (int8 activations: ``linear_q4_a8`` /
-``linear_q8_a8``), alternated call by call so load from other processes hits both alike; the median of
+``linear_q8_a8``) in two levels (linear_kernels "auto") or one ("int8-activations"), alternated call by call so load from other processes hits both alike; the median of
 ``--repeats`` calls each is printed as ms, prompt tokens/s and GFLOP/s-equivalent = 2 x params x P / time, where
 params are the model's non-embedding parameters (the 30 decoder layers' linears and norms and the final norm:
 the tied LM head is the embedding and runs for one position only, so neither it nor attention's score and value
 products count). The prompt is a fixed English text (Python's bundled documentation topics).
 
 ``--greedy N``: the 16 chat prompts of ``bench/common.py`` (QUICK_PROMPTS) through the engine together, greedy, N
-new tokens each, with each setting; prints how many outputs are identical.
+new tokens each (EOS ignored), with each setting; prints how many outputs equal float32 activations' (16 streams
+decode together, so decode steps take the int8 path too).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ from pagedserve.models.cpu_linear import A8_MIN_TOKENS, use_int8_activations  # 
 from pagedserve.models.loader import ModelSource  # noqa: E402
 from pagedserve.models.registry import build_model  # noqa: E402
 
-SETTINGS = {"float32 act": 0, "int8 act": A8_MIN_TOKENS}
+# name: (a8_min_tokens, levels); "int8 x2" is linear_kernels "auto", "int8 x1" is "int8-activations"
+SETTINGS = {"float32 act": (0, 2), "int8 x2": (A8_MIN_TOKENS, 2), "int8 x1": (A8_MIN_TOKENS, 1)}
 
 
 def text_ids(tokenizer, n: int) -> list[int]:
@@ -84,12 +86,12 @@ def bench_prefill(model, tokenizer, lengths: list[int], repeats: int) -> None:
     for n in lengths:
         ids = text_ids(tokenizer, n)
         samples = {key: [] for key in SETTINGS}
-        for key, min_tokens in SETTINGS.items():   # warm-up
-            use_int8_activations(model, min_tokens)
+        for key, setting in SETTINGS.items():   # warm-up
+            use_int8_activations(model, *setting)
             prefill(model, ids, backend)
         for _ in range(repeats):
-            for key, min_tokens in SETTINGS.items():
-                use_int8_activations(model, min_tokens)
+            for key, setting in SETTINGS.items():
+                use_int8_activations(model, *setting)
                 start = time.perf_counter()
                 prefill(model, ids, backend)
                 samples[key].append(time.perf_counter() - start)
@@ -97,7 +99,8 @@ def bench_prefill(model, tokenizer, lengths: list[int], repeats: int) -> None:
         for key, t in med.items():
             print(f"P={n:5d} {key:12s} {t * 1e3:8.1f} ms  {n / t:7.1f} tok/s  {2 * params * n / t / 1e9:6.1f} "
                   f"GFLOP/s-eq  (min {min(samples[key]) * 1e3:.1f} ms)")
-        print(f"P={n:5d} int8 / float32 activations: {med['float32 act'] / med['int8 act']:.2f}x faster")
+        for key in list(SETTINGS)[1:]:
+            print(f"P={n:5d} {key} vs float32 activations: {med['float32 act'] / med[key]:.2f}x faster")
 
 
 def greedy_outputs(model, tokenizer, cfg, max_tokens: int) -> list[list[int]]:
@@ -119,14 +122,16 @@ def greedy_outputs(model, tokenizer, cfg, max_tokens: int) -> list[list[int]]:
 
 def bench_greedy(model, tokenizer, cfg, max_tokens: int) -> None:
     outs = {}
-    for key, min_tokens in SETTINGS.items():
-        use_int8_activations(model, min_tokens)
+    for key, setting in SETTINGS.items():
+        use_int8_activations(model, *setting)
         outs[key] = greedy_outputs(model, tokenizer, cfg, max_tokens)
-    a, b = outs.values()
-    same = sum(x == y for x, y in zip(a, b))
-    first = [next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None) for x, y in zip(a, b)]
-    print(f"greedy, {len(a)} chat prompts x {max_tokens} tokens: {same}/{len(a)} identical; first differing "
-          f"position of the others: {[f for f in first if f is not None]}")
+    a = outs["float32 act"]
+    for key in list(SETTINGS)[1:]:
+        b = outs[key]
+        same = sum(x == y for x, y in zip(a, b))
+        first = [next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None) for x, y in zip(a, b)]
+        print(f"greedy {key} vs float32 act, {len(a)} chat prompts x {max_tokens} tokens: {same}/{len(a)} "
+              f"identical; first differing position of the others: {[f for f in first if f is not None]}")
 
 
 def main() -> None:
