@@ -5,8 +5,8 @@
 // do 4 weights x 1 token per byte lane with maddubs, so the float work is one FMA (two for q4) per block of 32
 // per 8 rows per token.
 //
-// Work split: 8-row panels over ATen's threads; per panel and per block of kA8TokenBlock tokens the panel's codes
-// are repacked (unpacked nibbles, 8 x 8 transposes of 4-byte steps) into a buffer in L1, then every token of the
+// Work split: 8-row panels over ATen's threads, in one parallel region; per block of kA8TokenBlock tokens each
+// thread quantizes the block's activations, then per panel the panel's codes are repacked (unpacked nibbles, 8 x 8 transposes of 4-byte steps) into a buffer in L1, then every token of the
 // block runs through it in tiles of 8 rows x kA8Tokens tokens.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -40,13 +40,11 @@ ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels) {
     q.a[l].resize(M * K);
     q.d[l].resize(M * nb);
   }
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
-      float* d[2] = {q.d[0].data() + t * nb, levels > 1 ? q.d[1].data() + t * nb : nullptr};
-      quantize_row_a8(x + t * K, K, levels, a, d, q.s.data() + t * nb);
-    }
-  });
+  for (int64_t t = 0; t < M; ++t) {
+    int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
+    float* d[2] = {q.d[0].data() + t * nb, levels > 1 ? q.d[1].data() + t * nb : nullptr};
+    quantize_row_a8(x + t * K, K, levels, a, d, q.s.data() + t * nb);
+  }
   return q;
 }
 
@@ -138,23 +136,26 @@ void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_
 template <bool kQ4, class Panels>
 void run_panels_a8(const Panels& panels, const float* x, int64_t M, int64_t K, int64_t N, float* out,
                    const float* bias, int levels) {
-  const ActsA8 q = quantize_acts(x, M, K, levels);
   const int64_t units = (N + kPanelRows - 1) / kPanelRows, nb = K / kActBlock;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(K * kPanelRows);
     std::vector<float> dw(nb * kPanelRows), mw(nb * kPanelRows);
     for (int64_t m0 = 0; m0 < M; m0 += kA8TokenBlock) {
-      const int64_t m1 = std::min(M, m0 + kA8TokenBlock);
+      // every thread quantizes the block's tokens itself: no second parallel region (each costs a wake-up of
+      // the other threads, long when the cores are shared), at about 1 / (N / 8) of the block's integer work
+      const int64_t m1 = std::min(M, m0 + kA8TokenBlock) - m0;
+      const ActsA8 q = quantize_acts(x + m0 * K, m1, K, levels);
+      float* ob = out + m0 * N;
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t n0 = unit * kPanelRows, rows = std::min<int64_t>(kPanelRows, N - n0);
         panels.pack(n0, rows, codes.data(), dw.data(), mw.data());
-        int64_t m = m0;
+        int64_t m = 0;
         for (; m + kA8Tokens <= m1; m += kA8Tokens)
-          panel_tokens<kQ4, kA8Tokens>(codes.data(), dw.data(), mw.data(), K, q, m, out, N, n0, rows, bias);
+          panel_tokens<kQ4, kA8Tokens>(codes.data(), dw.data(), mw.data(), K, q, m, ob, N, n0, rows, bias);
         switch (m1 - m) {
-          case 3: panel_tokens<kQ4, 3>(codes.data(), dw.data(), mw.data(), K, q, m, out, N, n0, rows, bias); break;
-          case 2: panel_tokens<kQ4, 2>(codes.data(), dw.data(), mw.data(), K, q, m, out, N, n0, rows, bias); break;
-          case 1: panel_tokens<kQ4, 1>(codes.data(), dw.data(), mw.data(), K, q, m, out, N, n0, rows, bias); break;
+          case 3: panel_tokens<kQ4, 3>(codes.data(), dw.data(), mw.data(), K, q, m, ob, N, n0, rows, bias); break;
+          case 2: panel_tokens<kQ4, 2>(codes.data(), dw.data(), mw.data(), K, q, m, ob, N, n0, rows, bias); break;
+          case 1: panel_tokens<kQ4, 1>(codes.data(), dw.data(), mw.data(), K, q, m, ob, N, n0, rows, bias); break;
           default: break;
         }
       }
