@@ -3,15 +3,16 @@ the quantized linears on float32 activations against int8 activations, in one pr
 
     .venv/bin/python bench/prefill.py [--threads 2] [--lengths 256 1024] [--repeats 5] [--greedy 64]
 
-One prefill: the model's forward over a P-token prompt (pagedserve's CPU attention backend as the engine uses it,
-a fresh paged KV cache, block size 16) and the logits of the last position, as the engine computes them. The two
+One prefill: the model's forward over a P-token prompt (pagedserve's CPU attention backend as the engine uses it, a
+fresh paged KV cache, block size 16) and the logits of the last position, as the engine computes them. The three
 settings are the same loaded model with ``a8_min_tokens`` set to 0 (float32 activations: ``linear_q4`` /
 ``linear_q8``) or :data:`~pagedserve.models.cpu_linear.A8_MIN_TOKENS` (int8 activations: ``linear_q4_a8`` /
-``linear_q8_a8``) in two levels (linear_kernels "auto") or one ("int8-activations"), alternated call by call so load from other processes hits both alike; the median of
-``--repeats`` calls each is printed as ms, prompt tokens/s and GFLOP/s-equivalent = 2 x params x P / time, where
-params are the model's non-embedding parameters (the 30 decoder layers' linears and norms and the final norm:
-the tied LM head is the embedding and runs for one position only, so neither it nor attention's score and value
-products count). The prompt is a fixed English text (Python's bundled documentation topics).
+``linear_q8_a8``) in two levels (linear_kernels "auto") or one ("int8-activations"), alternated call by call so load
+from other processes hits both alike; the median of ``--repeats`` calls each is printed as ms, prompt tokens/s and
+GFLOP/s-equivalent = 2 x params x P / time, where params are the model's non-embedding parameters (the 30 decoder
+layers' linears and norms and the final norm: the tied LM head is the embedding and runs for one position only, so
+neither it nor attention's score and value products count). The prompt is a fixed English text (Python's bundled
+documentation topics).
 
 ``--greedy N``: the 16 chat prompts of ``bench/common.py`` (QUICK_PROMPTS) through the engine together, greedy, N
 new tokens each (EOS ignored), with each setting; prints how many outputs equal float32 activations' (16 streams

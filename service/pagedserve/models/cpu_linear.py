@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import LINEAR_KERNELS
 from ..kernels.cpu_build import cpu_kernel_ops
 from .quant import Int4Weight, Int8BlockWeight, Int8ChannelWeight
 
 F32_MAX_TOKENS = 32   # rows through the own fp32 kernel at most; above, torch's GEMM (HF's own, so prefill logits match HF closely)
-LINEAR_KERNELS = ("auto", "int8-activations", "float-activations", "torch")
 # Tokens from which "auto" quantizes the activations of the quantized linears to int8 (prefill chunks and decode
 # steps of 16 or more streams). 120 Q4 linears of the embedded model's shapes, weights streaming from memory, one
 # thread, same process: int8 vs float activations 0.82x at M=1, 0.74x at 2, 1.74x at 4, 1.25x at 8, 1.78x at 16,

@@ -1,13 +1,13 @@
-// linear_q4_a8, linear_q8_a8: the quantized linears with int8 activations, one level or two (the second quantizes
-// the first's residual: twice the integer work, 254x smaller rounding error) (formats: linear.hpp; the integer
-// tiles and the activation format: linear_a8.hpp). For prefill chunks: the float path (linear_quant.cpp) does one float
-// FMA per weight per token after decoding each weight to float32; these quantize the activations once per call and
-// do 4 weights x 1 token per byte lane with maddubs, so the float work is one FMA (two for q4) per block of 32
-// per 8 rows per token.
+// linear_q4_a8, linear_q8_a8: the quantized linears with int8 activations, one level or two (the second quantizes the
+// first's residual: twice the integer work, 254x smaller rounding error) (formats: linear.hpp; the integer tiles and
+// the activation format: linear_a8.hpp). For prefill chunks: the float path (linear_quant.cpp) does one float FMA per
+// weight per token after decoding each weight to float32; these quantize the activations once per call and do 4 weights
+// x 1 token per byte lane with maddubs, so the float work is one FMA (two for q4) per block of 32 per 8 rows per token.
 //
-// Work split: 8-row panels over ATen's threads, in one parallel region; per block of kA8TokenBlock tokens each
-// thread quantizes the block's activations, then per panel the panel's codes are repacked (unpacked nibbles, 8 x 8 transposes of 4-byte steps) into a buffer in L1, then every token of the
-// block runs through it in tiles of 8 rows x kA8Tokens tokens.
+// Work split: 8-row panels over ATen's threads, in one parallel region; per block of kA8TokenBlock tokens each thread
+// quantizes the block's activations, then per panel the panel's codes are repacked (unpacked nibbles, 8 x 8 transposes
+// of 4-byte steps) into a buffer in L1, then every token of the block runs through it in tiles of 8 rows x kA8Tokens
+// tokens.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 

@@ -3,13 +3,13 @@
 // integer dot products (AVX2: _mm256_maddubs_epi16 / _mm256_madd_epi16), as ggml-cpu's q4_1 x q8_1 and
 // q8_0 x q8_0 dot products do, but with the rows in the vector lanes so one block's float work serves 8 rows.
 //
-// Activations (per token t, block b of 32 along K): d[t, b] = max|x| / 127, a = round(x / d) in -127..127 (int8),
-// s[t, b] = d * sum(a) (ggml's q8_1 sum); with two levels the residual x - a * d is quantized again the same way
-// (a2, d2 <= d / 254), x^ = a * d + a2 * d2 and s sums both. The q4 min term takes s rather than the exact float sum of x so that the
-// result is exactly the dot product of the weights with the rounded activations x^ = a * d: the error is then
-// sum_k w_k (x_k - x^_k), at most sum_b d[t, b] / 2 * sum_(k in b) |w_k|. (With the exact sum the error would be
-// sum_k (w_k - min) (x_k - x^_k), the unsigned codes' offset added: measured about 2x larger, max error 0.72
-// against 0.34 for a random 97 x 256 Q4 weight and 37 tokens.) Weights, per panel of 8 rows n0..n0+7 (rows past N are zero):
+// Activations (per token t, block b of 32 along K): d[t, b] = max|x| / 127, a = round(x / d) in -127..127 (int8), s[t,
+// b] = d * sum(a) (ggml's q8_1 sum); with two levels the residual x - a * d is quantized again the same way (a2, d2 <=
+// d / 254), x^ = a * d + a2 * d2 and s sums both. The q4 min term takes s rather than the exact float sum of x so that
+// the result is exactly the dot product of the weights with the rounded activations x^ = a * d: the error is then sum_k
+// w_k (x_k - x^_k), at most sum_b d[t, b] / 2 * sum_(k in b) |w_k|. (With the exact sum the error would be sum_k (w_k -
+// min) (x_k - x^_k), the unsigned codes' offset added: measured about 2x larger, max error 0.72 against 0.34 for a
+// random 97 x 256 Q4 weight and 37 tokens.) Weights, per panel of 8 rows n0..n0+7 (rows past N are zero):
 //   codes: [K / 4][8 rows][4] bytes: step j (4 consecutive k) of the 8 rows is one 32-byte vector; q4 codes as
 //          unsigned 0..15, q8 codes as signed int8;
 //   dw, mw: [K / 32][8] float: the rows' scale and (q4) min of each block of 32 (a group of 64 or 128 repeats).
@@ -52,7 +52,8 @@ inline float quantize_block_a8(__m256 v[4], int8_t* a, float* d) {
   const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
   // packs interleave the 128-bit lanes: 4-byte groups come out as 0 2 4 6 1 3 5 7 of the wanted order
   const __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), _mm256_permutevar8x32_epi32(q, order));
   return *d * hsum(_mm256_cvtepi32_ps(isum));   // the int sum is exact: |sum| <= 32 * 127
 }
 
