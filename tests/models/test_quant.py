@@ -219,7 +219,7 @@ def tiny_qwen2_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("kernels", ["auto", "int8-activations", "float-activations", "torch"])
 @pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int8", 32)])
 def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels):
     """An HF checkpoint: auto stays unquantized; int4 (group 32/64) and int8 build quantized linears (fused QKV
@@ -234,7 +234,11 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels)
     model = build_model(src, cfg, torch.float32, "cpu", quantization=scheme, quant_group_size=group,
                         linear_kernels=kernels)
     own = model.linear_kernels == "pagedserve-cpu"
-    assert own == (kernels == "auto" and cpu_kernel_ops() is not None)
+    assert own == (kernels != "torch" and cpu_kernel_ops() is not None)
+    levels = {"auto": 2, "int8-activations": 1}.get(kernels, 0) if own else 0   # int8 activations from 16 tokens
+    assert (model.a8_levels, model.a8_min_tokens > 0) == (levels, levels > 0)
+    if levels:
+        assert model.layers[0].mlp.down_proj.a8_levels == levels
     linear = {(True, "int4"): StreamingInt4Linear, (True, "int8"): StreamingInt8Linear,
               (False, "int4"): Int4Linear, (False, "int8"): Int8Linear}[own, scheme]
     assert isinstance(model.layers[0].self_attn.qkv_proj, linear)

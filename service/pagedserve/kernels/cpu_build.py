@@ -15,9 +15,9 @@ every file parses torch's headers: measured back to back on this project's share
 a time, and 10.5-11.0 s for the old single file. Each ``.cpp`` includes what it uses (each compiled on its own when
 that was measured); since the unit is shared, the names in the files' anonymous namespaces must stay distinct.
 
-The ops (``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8 / paged_decode_attention /
-reshape_and_cache / rms_norm / rotary_embedding / silu_and_mul``, formats at their definitions) get fake (meta)
-implementations so ``torch.compile`` traces through them as opaque calls.
+The ops (``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8 / linear_q4_a8 / linear_q8_a8 /
+paged_decode_attention / reshape_and_cache / rms_norm / rotary_embedding / silu_and_mul``, formats at their
+definitions) get fake (meta) implementations so ``torch.compile`` traces through them as opaque calls.
 
 The kernels need an x86-64 CPU with AVX2 and FMA; :func:`cpu_kernel_ops` returns None, with the reason in
 :func:`unavailable_reason`, when the CPU lacks them, no compiler is found (``$CXX``, ``c++``, ``g++``) or the build
@@ -141,7 +141,7 @@ def _register_fakes() -> None:
         n = weight.shape[0]
         return x.new_empty((x.shape[0], n))
 
-    for name in ("linear_f32", "linear_q4", "linear_q8"):
+    for name in ("linear_f32", "linear_q4", "linear_q8", "linear_q4_a8", "linear_q8_a8"):
         torch.library.register_fake(f"pagedserve_cpu::{name}")(fake)
     torch.library.register_fake("pagedserve_cpu::paged_decode_attention")(lambda q, *args: torch.empty_like(q))
     torch.library.register_fake("pagedserve_cpu::rms_norm")(

@@ -15,6 +15,17 @@ Layers (x: ``[..., K]`` in the compute dtype; returns ``[..., N]`` in x's dtype)
 - :class:`StreamingInt8Linear`: int8 codes with a float32 scale per group of ``group_size`` along K: GGUF Q8_0
   (group 32, exact: the logits of the tied LM head need no rescoring) or int8 per output channel (group K).
 
+Int8 activations (the two quantized layers, ``a8_min_tokens`` > 0, set by :func:`use_int8_activations`): a call
+with at least that many tokens quantizes x per token in blocks of 32 to int8 (ggml's Q8_1: ``d = max|x| / 127``,
+``a = round(x / d)``) and multiplies with integer dot products (``csrc/linear_a8.cpp``); the result is exactly the
+layer applied to the rounded activations ``a * d``. With two levels (``a8_levels``) the residual ``x - a * d`` is
+quantized again the same way and multiplied too: twice the integer work, 254x less rounding error. Fewer tokens
+(decode of a few streams) keep float32 activations. The linear kernels' choices (EngineConfig.linear_kernels):
+``"auto"`` two levels from :data:`A8_MIN_TOKENS` tokens, ``"int8-activations"`` one level (llama.cpp's numerics,
+the fastest), ``"float-activations"`` never. On the embedded model's 2,000-token teacher-forced text against
+float32 activations (tests/models/test_quant.py): one level top-1 agreement 0.970 (under the tests' 0.99),
+perplexity +0.25%; two levels 0.9995, +0.000%.
+
 :func:`use_cpu_kernels` swaps a loaded model's float32 ``nn.Linear`` leaves; the quantized layers are built directly
 by :mod:`.quant_load` when its plan says so.
 """
@@ -24,22 +35,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import LINEAR_KERNELS
 from ..kernels.cpu_build import cpu_kernel_ops
 from .quant import Int4Weight, Int8BlockWeight, Int8ChannelWeight
 
 F32_MAX_TOKENS = 32   # rows through the own fp32 kernel at most; above, torch's GEMM (HF's own, so prefill logits match HF closely)
-LINEAR_KERNELS = ("auto", "torch")
+# Tokens from which "auto" quantizes the activations of the quantized linears to int8 (prefill chunks and decode
+# steps of 16 or more streams). 120 Q4 linears of the embedded model's shapes, weights streaming from memory, one
+# thread, same process: int8 vs float activations 0.82x at M=1, 0.74x at 2, 1.74x at 4, 1.25x at 8, 1.78x at 16,
+# 1.88x at 32 (bench/README.md, "int8 activations"); 16 keeps the decode of a few streams on float activations.
+A8_MIN_TOKENS = 16
+A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choice (others: none)
 
 
 def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
-    """Whether to build layers over the own kernels: ``choice`` "auto" on a CPU device where they load.
+    """Whether to build layers over the own kernels: any ``choice`` but "torch" on a CPU device where they load.
 
     Raises:
         ValueError: an unknown ``choice`` (one of :data:`LINEAR_KERNELS`).
     """
     if choice not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernels: unknown choice {choice!r}; one of {LINEAR_KERNELS}")
-    return choice == "auto" and torch.device(device).type == "cpu" and cpu_kernel_ops() is not None
+    return choice != "torch" and torch.device(device).type == "cpu" and cpu_kernel_ops() is not None
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -54,6 +71,11 @@ def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _a8_tokens(x: torch.Tensor, k: int, min_tokens: int) -> bool:
+    """Whether this call takes the int8-activation kernel (``min_tokens`` 0: never)."""
+    return min_tokens > 0 and x.numel() >= min_tokens * k
 
 
 def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
@@ -84,7 +106,8 @@ class StreamingInt4Linear(nn.Module):
     """``y = x @ W.T (+ bias)`` for an :class:`Int4Weight` (group size a multiple of 32 dividing K).
 
     Buffers: ``codes`` uint8 ``[N, K // 2]`` (each 32 weights as 16 bytes: weight j in the low nibble of byte j,
-    weight j + 16 in its high nibble), ``scales`` and ``mins`` float32 ``[N, K // group_size]``.
+    weight j + 16 in its high nibble), ``scales`` and ``mins`` float32 ``[N, K // group_size]``. ``a8_min_tokens``:
+    tokens from which a call runs on int8 activations (0: never; see the module docstring).
 
     Raises:
         ValueError: a group size that is not a multiple of 32 dividing K.
@@ -102,10 +125,13 @@ class StreamingInt4Linear(nn.Module):
         self.register_buffer("scales", weight.scales.to(torch.float32).contiguous())
         self.register_buffer("mins", (weight.zeros - 8.0 * weight.scales).to(torch.float32).contiguous())
         self.bias = _bias(bias)
+        self.a8_min_tokens, self.a8_levels = 0, 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.pagedserve_cpu.linear_q4(_rows(x, self.in_features), self.codes, self.scales, self.mins,
-                                               self.group_size, self.bias)
+        ops = torch.ops.pagedserve_cpu
+        a8 = _a8_tokens(x, self.in_features, self.a8_min_tokens)
+        args = (_rows(x, self.in_features), self.codes, self.scales, self.mins, self.group_size, self.bias)
+        y = ops.linear_q4_a8(*args, self.a8_levels) if a8 else ops.linear_q4(*args)
         return _like(y, x)
 
     def extra_repr(self) -> str:
@@ -117,7 +143,8 @@ class StreamingInt8Linear(nn.Module):
 
     Built from an :class:`Int8BlockWeight` (GGUF Q8_0: group 32, float16 scales widened exactly to float32) or an
     :class:`Int8ChannelWeight` (one group of K per row). Buffers: ``codes`` int8 ``[N, K]``, ``scales`` float32
-    ``[N, K // group_size]``.
+    ``[N, K // group_size]``. ``a8_min_tokens`` as for :class:`StreamingInt4Linear` (int8 activations need K and
+    the group size to be multiples of 32; :func:`use_int8_activations` skips other layers).
     """
 
     def __init__(self, weight: Int8BlockWeight | Int8ChannelWeight, bias: torch.Tensor | None = None,
@@ -132,10 +159,13 @@ class StreamingInt8Linear(nn.Module):
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.bias = _bias(bias)
+        self.a8_min_tokens, self.a8_levels = 0, 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.pagedserve_cpu.linear_q8(_rows(x, self.in_features), self.codes, self.scales,
-                                               self.group_size, self.bias)
+        ops = torch.ops.pagedserve_cpu
+        a8 = _a8_tokens(x, self.in_features, self.a8_min_tokens)
+        args = (_rows(x, self.in_features), self.codes, self.scales, self.group_size, self.bias)
+        y = ops.linear_q8_a8(*args, self.a8_levels) if a8 else ops.linear_q8(*args)
         return _like(y, x)
 
     def extra_repr(self) -> str:
@@ -163,3 +193,24 @@ def use_cpu_kernels(model: nn.Module) -> int:
                     StreamingLinear(module.weight.data, None if module.bias is None else module.bias.data))
             swapped += 1
     return swapped
+
+
+def use_int8_activations(model: nn.Module, min_tokens: int = A8_MIN_TOKENS, levels: int = 2) -> int:
+    """Set ``a8_min_tokens = min_tokens`` (0: int8 activations off) and ``a8_levels = levels`` on every
+    :class:`StreamingInt4Linear` and :class:`StreamingInt8Linear` of ``model`` whose K and group size are multiples
+    of 32. Returns how many layers were set.
+
+    Raises:
+        ValueError: a negative ``min_tokens``, ``levels`` other than 1 or 2.
+    """
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
+    if levels not in (1, 2):
+        raise ValueError(f"levels: must be 1 or 2, got {levels}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (StreamingInt4Linear, StreamingInt8Linear)) and module.in_features % 32 == 0 \
+                and module.group_size % 32 == 0:
+            module.a8_min_tokens, module.a8_levels = min_tokens, levels
+            count += 1
+    return count

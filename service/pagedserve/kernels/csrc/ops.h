@@ -7,6 +7,9 @@
 //   linear.hpp         formats and paths of the linears, and the register tile they share
 //   linear_f32.cpp     linear_f32
 //   linear_quant.cpp   linear_q4, linear_q8
+//   linear_a8.hpp      int8 activations: quantization, 8-row weight panels, integer register tiles
+//   linear_a8_vnni.hpp the same tile on AVX-VNNI, runtime-dispatched
+//   linear_a8.cpp      linear_q4_a8, linear_q8_a8 (int8 activations, for prefill chunks), linear_a8_vnni
 //   attention.cpp      paged_decode_attention
 //   cache.cpp          reshape_and_cache (KV write)
 //   elementwise.cpp    rms_norm, rotary_embedding, silu_and_mul
@@ -26,6 +29,11 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      int64_t group_size, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
                      const c10::optional<at::Tensor>& bias);
+at::Tensor linear_q4_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                        int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels);
+at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
+                        const c10::optional<at::Tensor>& bias, int64_t levels);
+bool linear_a8_vnni(int64_t mode);
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);

@@ -1,0 +1,220 @@
+// linear_q4_a8, linear_q8_a8: the quantized linears with int8 activations, one level or two (the second quantizes the
+// first's residual: twice the integer work, 254x smaller rounding error) (formats: linear.hpp; the integer tiles and
+// the activation format: linear_a8.hpp). For prefill chunks: the float path (linear_quant.cpp) does one float FMA per
+// weight per token after decoding each weight to float32; these quantize the activations once per call and do 4 weights
+// x 1 token per byte lane with maddubs, so the float work is one FMA (two for q4) per block of 32 per 8 rows per token.
+//
+// Work split: 8-row panels over ATen's threads, in one parallel region; per block of kA8TokenBlock tokens each thread
+// quantizes the block's activations, then per panel the panel's codes are repacked (unpacked nibbles, 8 x 8 transposes
+// of 4-byte steps) into a buffer in L1, then every token of the block runs through it in tiles of 8 rows x kA8Tokens
+// tokens.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "linear.hpp"
+#include "linear_a8.hpp"
+#include "linear_a8_vnni.hpp"
+#include "ops.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+constexpr int kA8Tokens = 4;            // tokens per register tile (4 int and 4 float accumulators)
+constexpr int64_t kA8TokenBlock = 256;  // tokens per panel repack: a block's int8 activations stay in L2
+
+struct ActsA8 {
+  int levels;
+  bool vnni;                  // the AVX-VNNI tile (linear_a8_vnni.hpp)
+  std::vector<int8_t> a[2];   // per level [M, K]
+  std::vector<float> d[2];    // per level [M, K / 32]
+  std::vector<float> s;       // [M, K / 32]
+};
+
+ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels) {
+  const int64_t nb = K / kActBlock;
+  ActsA8 q{levels, a8_vnni_enabled(), {}, {}, std::vector<float>(M * nb)};
+  for (int l = 0; l < levels; ++l) {
+    q.a[l].resize(M * K);
+    q.d[l].resize(M * nb);
+  }
+  for (int64_t t = 0; t < M; ++t) {
+    int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
+    float* d[2] = {q.d[0].data() + t * nb, levels > 1 ? q.d[1].data() + t * nb : nullptr};
+    quantize_row_a8(x + t * K, K, levels, a, d, q.s.data() + t * nb);
+  }
+  return q;
+}
+
+// One panel (rows n0..n0+rows-1 of the weight) into codes [K / 4][8][4], dw and mw [K / 32][8].
+struct Q4Panels {
+  const uint8_t* codes;
+  const float* scale;
+  const float* min;
+  int64_t K, group_size;
+
+  void pack(int64_t n0, int64_t rows, uint8_t* out, float* dw, float* mw) const {
+    const int64_t nb = K / kActBlock, groups = K / group_size;
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i r[kPanelRows];
+      for (int i = 0; i < kPanelRows; ++i) {
+        if (i >= rows) { r[i] = _mm256_setzero_si256(); continue; }
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (n0 + i) * (K / 2) + b * 16));
+        r[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+      }
+      transpose8x8(r);
+      for (int j = 0; j < kPanelRows; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * 256 + 32 * j), r[j]);
+      const int64_t g = b * kActBlock / group_size;
+      for (int i = 0; i < kPanelRows; ++i) {
+        dw[b * kPanelRows + i] = i < rows ? scale[(n0 + i) * groups + g] : 0.0f;
+        mw[b * kPanelRows + i] = i < rows ? min[(n0 + i) * groups + g] : 0.0f;
+      }
+    }
+  }
+};
+
+struct Q8Panels {
+  const int8_t* codes;
+  const float* scale;
+  int64_t K, group_size;
+
+  void pack(int64_t n0, int64_t rows, uint8_t* out, float* dw, float*) const {
+    const int64_t nb = K / kActBlock, groups = K / group_size;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i r[kPanelRows];
+      for (int i = 0; i < kPanelRows; ++i)
+        r[i] = i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (n0 + i) * K + b * 32))
+                        : _mm256_setzero_si256();
+      transpose8x8(r);
+      for (int j = 0; j < kPanelRows; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * 256 + 32 * j), r[j]);
+      const int64_t g = b * kActBlock / group_size;
+      for (int i = 0; i < kPanelRows; ++i) dw[b * kPanelRows + i] = i < rows ? scale[(n0 + i) * groups + g] : 0.0f;
+    }
+  }
+};
+
+// Tokens [0, T) of a token block through one packed panel, out[t * N + n0 + r] for r < rows.
+template <bool kQ4, int T>
+void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_t K, const ActsA8& q, int64_t m,
+                  float* out, int64_t N, int64_t n0, int64_t rows, const float* bias) {
+  const int64_t nb = K / kActBlock;
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  const float* s = q.s.data() + m * nb;
+  const int8_t *a0 = q.a[0].data() + m * K, *a1 = q.levels > 1 ? q.a[1].data() + m * K : nullptr;
+  const float *d0 = q.d[0].data() + m * nb, *d1 = q.levels > 1 ? q.d[1].data() + m * nb : nullptr;
+  // the residual level (a1): the panel is still in L1; its min term is in s already
+  if (q.vnni) {
+    a8_tile_vnni<kQ4, T>(codes, dw, mw, nb, a0, K, d0, s, nb, acc);
+    if (a1) a8_tile_vnni<kQ4, T, false>(codes, dw, mw, nb, a1, K, d1, s, nb, acc);
+  } else {
+    a8_tile<kQ4, T>(codes, dw, mw, nb, a0, K, d0, s, nb, acc);
+    if (a1) a8_tile<kQ4, T, false>(codes, dw, mw, nb, a1, K, d1, s, nb, acc);
+  }
+  __m256 b = _mm256_setzero_ps();
+  alignas(32) float tmp[kPanelRows];
+  if (bias) {
+    for (int i = 0; i < kPanelRows; ++i) tmp[i] = i < rows ? bias[n0 + i] : 0.0f;
+    b = _mm256_load_ps(tmp);
+  }
+  for (int t = 0; t < T; ++t) {
+    float* o = out + (m + t) * N + n0;
+    if (rows == kPanelRows) {
+      _mm256_storeu_ps(o, _mm256_add_ps(acc[t], b));
+    } else {
+      _mm256_store_ps(tmp, _mm256_add_ps(acc[t], b));
+      std::copy(tmp, tmp + rows, o);
+    }
+  }
+}
+
+template <bool kQ4, class Panels>
+void run_panels_a8(const Panels& panels, const float* x, int64_t M, int64_t K, int64_t N, float* out,
+                   const float* bias, int levels) {
+  const int64_t units = (N + kPanelRows - 1) / kPanelRows, nb = K / kActBlock;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> codes(K * kPanelRows);
+    std::vector<float> dw(nb * kPanelRows), mw(nb * kPanelRows);
+    for (int64_t m0 = 0; m0 < M; m0 += kA8TokenBlock) {
+      // every thread quantizes the block's tokens itself: no second parallel region (each costs a wake-up of
+      // the other threads, long when the cores are shared), at about 1 / (N / 8) of the block's integer work
+      const int64_t m1 = std::min(M, m0 + kA8TokenBlock) - m0;
+      const ActsA8 q = quantize_acts(x + m0 * K, m1, K, levels);
+      float* ob = out + m0 * N;
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t n0 = unit * kPanelRows, rows = std::min<int64_t>(kPanelRows, N - n0);
+        panels.pack(n0, rows, codes.data(), dw.data(), mw.data());
+        int64_t m = 0;
+        for (; m + kA8Tokens <= m1; m += kA8Tokens)
+          panel_tokens<kQ4, kA8Tokens>(codes.data(), dw.data(), mw.data(), K, q, m, ob, N, n0, rows, bias);
+        switch (m1 - m) {
+          case 3: panel_tokens<kQ4, 3>(codes.data(), dw.data(), mw.data(), K, q, m, ob, N, n0, rows, bias); break;
+          case 2: panel_tokens<kQ4, 2>(codes.data(), dw.data(), mw.data(), K, q, m, ob, N, n0, rows, bias); break;
+          case 1: panel_tokens<kQ4, 1>(codes.data(), dw.data(), mw.data(), K, q, m, ob, N, n0, rows, bias); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+void check_levels(int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2, got ", levels);
+}
+
+void check_a8_groups(const at::Tensor& t, int64_t N, int64_t K, int64_t group_size, const char* what) {
+  TORCH_CHECK(K % kActBlock == 0, "K must be a multiple of 32 for int8 activations, got ", K);
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == N &&
+                  t.size(1) == K / group_size,
+              what, " must be contiguous float32 [N, K / group_size]");
+}
+
+}  // namespace
+
+at::Tensor linear_q4_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                        int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K / 2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, M = x.size(0);
+  check_input(x, K, bias, N);
+  check_levels(levels);
+  check_a8_groups(scale, N, K, group_size, "scale");
+  check_a8_groups(min, N, K, group_size, "min");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  run_panels_a8<true>(Q4Panels{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K,
+                               group_size},
+                      x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                      static_cast<int>(levels));
+  return out;
+}
+
+at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
+                        const c10::optional<at::Tensor>& bias, int64_t levels) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be contiguous int8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), M = x.size(0);
+  check_input(x, K, bias, N);
+  check_levels(levels);
+  check_a8_groups(scale, N, K, group_size, "scale");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  run_panels_a8<false>(Q8Panels{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size},
+                       x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                       static_cast<int>(levels));
+  return out;
+}
+
+bool linear_a8_vnni(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "mode must be -1 (query), 0 (off) or 1 (on where the CPU has AVX-VNNI)");
+  if (mode >= 0) a8_vnni_enabled() = mode == 1 && __builtin_cpu_supports("avxvnni");
+  return a8_vnni_enabled();
+}
+
+}  // namespace pagedserve::cpu

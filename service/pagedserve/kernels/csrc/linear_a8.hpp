@@ -1,0 +1,130 @@
+// Integer pieces of the int8-activation linears (linear_a8.cpp): activations quantized per token in blocks of 32,
+// weight rows repacked into 8-row panels, and the register tiles of 8 rows x T tokens that multiply them with
+// integer dot products (AVX2: _mm256_maddubs_epi16 / _mm256_madd_epi16), as ggml-cpu's q4_1 x q8_1 and
+// q8_0 x q8_0 dot products do, but with the rows in the vector lanes so one block's float work serves 8 rows.
+//
+// Activations (per token t, block b of 32 along K): d[t, b] = max|x| / 127, a = round(x / d) in -127..127 (int8), s[t,
+// b] = d * sum(a) (ggml's q8_1 sum); with two levels the residual x - a * d is quantized again the same way (a2, d2 <=
+// d / 254), x^ = a * d + a2 * d2 and s sums both. The q4 min term takes s rather than the exact float sum of x so that
+// the result is exactly the dot product of the weights with the rounded activations x^ = a * d: the error is then sum_k
+// w_k (x_k - x^_k), at most sum_b d[t, b] / 2 * sum_(k in b) |w_k|. (With the exact sum the error would be sum_k (w_k -
+// min) (x_k - x^_k), the unsigned codes' offset added: measured about 2x larger, max error 0.72 against 0.34 for a
+// random 97 x 256 Q4 weight and 37 tokens.) Weights, per panel of 8 rows n0..n0+7 (rows past N are zero):
+//   codes: [K / 4][8 rows][4] bytes: step j (4 consecutive k) of the 8 rows is one 32-byte vector; q4 codes as
+//          unsigned 0..15, q8 codes as signed int8;
+//   dw, mw: [K / 32][8] float: the rows' scale and (q4) min of each block of 32 (a group of 64 or 128 repeats).
+// One tile (8 rows x T tokens, block b): the 8 steps' u8 x s8 products summed in int32 lanes (row r's lane), then
+// y[t, r] += float(isum) * dw[b, r] * d[t, b] (+ mw[b, r] * s[t, b] for q4).
+#pragma once
+
+#include <cstring>
+
+#include "cpu_types.hpp"
+
+namespace pagedserve::cpu {
+
+constexpr int64_t kActBlock = 32;   // activation block along K (one scale and one sum per token per block)
+constexpr int kPanelRows = 8;       // weight rows per panel: one per int32 / float lane
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// One block of 32 (v[4]) -> a[32] int8 and its scale *d; returns d * sum(a) and leaves the residual
+// v - a * d in v.
+inline float quantize_block_a8(__m256 v[4], int8_t* a, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float am = _mm_cvtss_f32(m);
+  *d = am / 127.0f;
+  const __m256 inv = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f), dv = _mm256_set1_ps(*d);
+  __m256i i[4];   // round to nearest even (the default MXCSR mode); |x| * 127 / amax <= 127 (+ rounding)
+  for (int p = 0; p < 4; ++p) {
+    i[p] = _mm256_cvtps_epi32(_mm256_mul_ps(v[p], inv));
+    v[p] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(i[p]), dv, v[p]);
+  }
+  const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  // packs interleave the 128-bit lanes: 4-byte groups come out as 0 2 4 6 1 3 5 7 of the wanted order
+  const __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), _mm256_permutevar8x32_epi32(q, order));
+  return *d * hsum(_mm256_cvtepi32_ps(isum));   // the int sum is exact: |sum| <= 32 * 127
+}
+
+// x[K] -> per level l < levels: a[l][K] int8, d[l][K / 32]; s[K / 32] = sum over levels of d * sum(a). Level 2
+// quantizes level 1's residual the same way. K a multiple of 32.
+inline void quantize_row_a8(const float* x, int64_t K, int levels, int8_t* const* a, float* const* d, float* s) {
+  for (int64_t b = 0; b < K / kActBlock; ++b) {
+    __m256 v[4];
+    for (int p = 0; p < 4; ++p) v[p] = _mm256_loadu_ps(x + b * kActBlock + 8 * p);
+    s[b] = 0.0f;
+    for (int l = 0; l < levels; ++l) s[b] += quantize_block_a8(v, a[l] + b * kActBlock, d[l] + b);
+  }
+}
+
+// In place: r[i] lane j <-> r[j] lane i (8 x 8 32-bit elements).
+inline void transpose8x8(__m256i r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = _mm256_castsi256_ps(r[2 * i]), b = _mm256_castsi256_ps(r[2 * i + 1]);
+    t[2 * i] = _mm256_unpacklo_ps(a, b);
+    t[2 * i + 1] = _mm256_unpackhi_ps(a, b);
+  }
+  for (int h = 0; h < 2; ++h) {   // rows 0-3 (h = 0) and 4-7
+    const __m256* th = t + 4 * h;
+    u[4 * h + 0] = _mm256_shuffle_ps(th[0], th[2], 0x44);
+    u[4 * h + 1] = _mm256_shuffle_ps(th[0], th[2], 0xEE);
+    u[4 * h + 2] = _mm256_shuffle_ps(th[1], th[3], 0x44);
+    u[4 * h + 3] = _mm256_shuffle_ps(th[1], th[3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
+    r[4 + i] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
+  }
+}
+
+// One tile: 8 panel rows x T tokens over nb blocks. a: token 0's int8 row (tokens lda apart); d, s: token 0's block
+// scales and sums (ldd apart). Adds into acc[t] (lane r: row r); kMin: with the q4 min term (one level of the
+// activations only).
+template <bool kQ4, int T, bool kMin = kQ4>
+inline void a8_tile(const uint8_t* codes, const float* dw, const float* mw, int64_t nb, const int8_t* a,
+                       int64_t lda, const float* d, const float* s, int64_t ldd, __m256 acc[T]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = codes + b * (kActBlock * kPanelRows);
+    const int8_t* ab = a + b * kActBlock;
+    __m256i isum[T];
+    for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+    for (int j = 0; j < kActBlock / 4; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+      if constexpr (kQ4) {
+        // u4 x s8 pairs are at most 2 * 15 * 127 = 3810 in magnitude: 8 steps summed in int16 stay below 32767
+        for (int t = 0; t < T; ++t)
+          isum[t] = _mm256_add_epi16(isum[t], _mm256_maddubs_epi16(w, bcast4(ab + t * lda + 4 * j)));
+      } else {
+        // signed x signed through u8 x s8: |w| against x carrying w's sign (pairs at most 2 * 128 * 127)
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int t = 0; t < T; ++t) {
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(ab + t * lda + 4 * j), w));
+          isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+    const __m256 dwb = _mm256_loadu_ps(dw + b * kPanelRows);
+    for (int t = 0; t < T; ++t) {
+      const __m256i i32 = kQ4 ? _mm256_madd_epi16(isum[t], ones) : isum[t];
+      const __m256 scale = _mm256_mul_ps(dwb, _mm256_broadcast_ss(d + t * ldd + b));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), scale, acc[t]);
+      if constexpr (kMin)
+        acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b * kPanelRows), _mm256_broadcast_ss(s + t * ldd + b), acc[t]);
+    }
+  }
+}
+
+}  // namespace pagedserve::cpu
