@@ -193,8 +193,8 @@ def bench_run(server: Server, model: str, args: argparse.Namespace, spec: tuple[
 
 
 def run_system(system: str, args: argparse.Namespace, out_dir: str, port: int) -> list[Row]:
-    """All cells for one system: start its server, warm it up (4 requests of a workload of its own), measure,
-    stop it. A server that does not start gives failed rows; a failed cell does not stop the others."""
+    """All cells for one system: start its server, warm it up (2 concurrent requests of a workload of its own),
+    measure, stop it. A server that does not start gives failed rows; a failed cell does not stop the others."""
     specs, rows = workloads(args), []
     cells = [(spec, c, max(args.min_prompts, args.num_prompts_factor * c)) for spec in specs
              for c in args.concurrency]
@@ -203,7 +203,7 @@ def run_system(system: str, args: argparse.Namespace, out_dir: str, port: int) -
         t0 = time.monotonic()
         model = server.start(args.ready_timeout)
         print(f"[serve_compare] {system} ready in {time.monotonic() - t0:.0f} s, model {model!r}", flush=True)
-        bench_run(server, model, args, specs[0], 2, 4, out_dir, seed=2 ** 31 - 1, tag="warmup")
+        bench_run(server, model, args, specs[0], 2, 2, out_dir, seed=2 ** 31 - 1, tag="warmup")
     except RuntimeError as exc:
         server.stop()
         return [failed_row(spec[0], c, system, n, str(exc)) for spec, c, n in cells]
