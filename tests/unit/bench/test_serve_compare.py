@@ -92,3 +92,15 @@ def test_short_output_is_flagged():
 def test_machine_header_has_commit_and_cpu():
     header = serve_report.machine_header(str(BENCH.parent))
     assert header["git_commit"] != "unknown" and header["cpu_model"]
+
+
+def test_server_that_cannot_start_gives_failed_rows(tmp_path):
+    """llamacpp with an empty anchors dir: the serve script exits at once; every cell is a failed row with the
+    reason, and no benchmark runs."""
+    args = serve_compare.parse_args(["--systems", "llamacpp", "--concurrency", "1,4", "--input-lens", "256",
+                                     "--anchors-dir", str(tmp_path / "none"), "--ready-timeout", "60"])
+    rows = serve_compare.run_system("llamacpp", args, str(tmp_path), serve_compare.free_port())
+    assert [(r.workload, r.concurrency) for r in rows] == [("random-256", 1), ("random-256", 4),
+                                                           ("prefix-512+64", 1), ("prefix-512+64", 4)]
+    assert all(r.output_tok_s is None and "llama-server not found" in r.error for r in rows)
+    assert [r.num_prompts for r in rows] == [8, 12, 8, 12]
