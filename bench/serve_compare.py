@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {**machine_header(REPO), "date_utc": stamp.strftime("%Y-%m-%d %H:%M"),
               "client": client_version(args.anchors_dir), "output_len": args.output_len,
               "systems_desc": "; ".join(SYSTEMS_DESC[s] for s in args.systems),
-              "args": {k: v for k, v in vars(args).items() if k != "pagedserve_arg"} | {
-                  "pagedserve_arg": args.pagedserve_arg}}
+              "args": vars(args)}
     port = args.port or free_port()
     rows: list[Row] = []
     for system in args.systems:
