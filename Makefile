@@ -17,7 +17,7 @@ FLEET_ARGS ?=
 LLAMACPP_VENV ?= .venv-llamacpp
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 
-.PHONY: setup serve fleet test test-unit bench bench-quant bench-llamacpp-setup protos clean
+.PHONY: setup serve fleet test test-unit bench bench-quant bench-llamacpp-setup bench-anchors-setup bench-serve-compare protos clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,22 @@ bench-llamacpp-setup:
 
 bench-quant: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/quant.py --llamacpp-python $(LLAMACPP_VENV)/bin/python
+
+# Reference servers for bench/serve_compare.py (issue 33), under $(ANCHORS_DIR), never in .venv, never in make test:
+# vLLM's CPU build in a venv of its own (also the load generator, `vllm bench serve`; mostly downloads) with an fp32
+# HF copy of the embedded GGUF, then llama.cpp's llama-server built from source (about 28 min on 2 idle cores).
+ANCHORS_DIR ?= /tmp/anchors
+SERVE_COMPARE_ARGS ?=
+bench-anchors-setup: setup
+	ANCHORS_DIR=$(ANCHORS_DIR) bench/anchors/vllm_cpu_setup.sh $(abspath $(PY))
+	ANCHORS_DIR=$(ANCHORS_DIR) bench/anchors/llama_server_setup.sh
+
+# pagedserve vs llama-server vs vLLM CPU, one server at a time, driven by `vllm bench serve` (the full matrix takes
+# about an hour on an idle 2-core machine; see bench/README.md). Short run: SERVE_COMPARE_ARGS="--systems pagedserve
+# --concurrency 1,4 --input-lens 256 --no-prefix --num-prompts-factor 1 --min-prompts 4".
+bench-serve-compare: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/serve_compare.py --anchors-dir $(ANCHORS_DIR) --project-python $(abspath $(PY)) \
+		$(SERVE_COMPARE_ARGS)
 
 protos: setup
 	$(PY) scripts/gen_protos.py
