@@ -86,6 +86,7 @@ def template_renders_tools(template: str | dict | None) -> bool:
     if isinstance(template, dict):
         return any(template_renders_tools(t) for t in template.values())
     try:
-        return "tools" in jinja_meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # as HF's renderer ({% break %})
+        return "tools" in jinja_meta.find_undeclared_variables(env.parse(template))
     except jinja2.TemplateSyntaxError:
         return "tools" in template

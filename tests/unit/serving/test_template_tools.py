@@ -18,6 +18,9 @@ LOCAL = "{% set tools = [] %}{% for t in tools %}{{ t }}{% endfor %}" + PLAIN
     (PLAIN, False), (WITH_TOOLS, True), (TEXT_ONLY, False), (LOCAL, False), (None, False), ("", False),
     ({"default": PLAIN, "tool_use": WITH_TOOLS}, True), ({"default": PLAIN}, False),
     ("{% if tools %}unclosed", True),  # does not parse: read as text
+    # loop controls parse (HF's renderer has them), so "tools" as text is not taken for the variable
+    ("{% for t in tools %}{{ t }}{% break %}{% endfor %}", True),
+    ("{% for m in messages %}{% break %}{% endfor %} no tools", False),
 ])
 def test_template_renders_tools(template, expected):
     assert template_renders_tools(template) is expected
