@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -85,6 +86,38 @@ def test_required_with_parallel_calls_allows_several_calls(oai):
     assert choice.message.tool_calls and choice.message.content is None
     for call in choice.message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
+def test_forced_call_cut_by_max_tokens_finishes_with_length(oai, tool_choice, stream):
+    calls, finish = _cut(oai, tool_choice, stream)
+    assert finish == "length", (calls, finish)
+
+
+def _cut(oai, tool_choice, stream: bool) -> tuple[list[dict], str | None]:
+    kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=3, temperature=0)
+    if stream:
+        return _streamed_calls(oai.chat.completions.create(stream=True, **kw))
+    choice = oai.chat.completions.create(**kw).choices[0]
+    return [c.model_dump() for c in choice.message.tool_calls or []], choice.finish_reason
+
+
+def test_streamed_required_call_sends_no_empty_delta_chunks(server):
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 64,
+            "temperature": 0, "parallel_tool_calls": False, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = []
+    with httpx.stream("POST", server.http_url + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    empty = [c for c in choices if not c["delta"] and c["finish_reason"] is None]
+    assert not empty, f"{len(empty)} chunks with an empty delta and no finish_reason"
+    assert any(c["delta"].get("tool_calls") for c in choices)
+    assert choices[-1]["finish_reason"] == "tool_calls" and "usage" in chunks[-1]
 
 
 def test_tool_choice_none_answers_in_text(oai):

@@ -29,15 +29,18 @@ def _need_build_tools() -> None:
         pytest.fail(f"setuptools {setuptools.__version__} < 77 (the PEP 639 license string): `make setup`")
 
 
-def _pip(*args: str, cwd: Path) -> None:
+def _pip(*args: str, cwd: Path) -> str:
+    """Run pip; returns its output (stdout + stderr)."""
     proc = subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
-def wheel_path(tmp_path_factory) -> Path:
-    """A wheel built from a copy of the build inputs (the build leaves build/ and *.egg-info in its source)."""
+def wheel_build(tmp_path_factory) -> tuple[Path, str]:
+    """A wheel built from a copy of the build inputs (the build leaves build/ and *.egg-info in its source), and
+    the build's verbose output."""
     _need_build_tools()
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
@@ -48,10 +51,20 @@ def wheel_path(tmp_path_factory) -> Path:
         else:
             src.mkdir(exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
-    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp / "dist"), str(src),
-         cwd=tmp)
+    log = _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-v", "-w", str(tmp / "dist"), str(src),
+               cwd=tmp)
     (wheel,) = (tmp / "dist").glob("pagedserve-*.whl")
-    return wheel
+    return wheel, log
+
+
+@pytest.fixture(scope="module")
+def wheel_path(wheel_build) -> Path:
+    return wheel_build[0]
+
+
+def test_build_ships_no_data_directory_outside_the_packages_list(wheel_build):
+    # setuptools warns (a banner at every setup) about a directory of package data that is not a listed package
+    assert "absent from the `packages` configuration" not in wheel_build[1], wheel_build[1][-3000:]
 
 
 def test_wheel_holds_every_package_and_the_cuda_sources(wheel_path):

@@ -4,13 +4,16 @@ Replica ``i`` serves gRPC on ``--grpc-base-port + i`` and HTTP on ``--http-base-
 ``--router-port`` with the settings of ``pagedserve route``. Each child runs in a process group of its own, with
 the kernel told to SIGKILL it if this process dies (``PR_SET_PDEATHSIG``); SIGINT (Ctrl-C) or SIGTERM here stops
 the router, then the replicas (SIGTERM to each group, SIGKILL to what is left after ``grace_s``), so no process
-outlives the fleet. Logs go to one file per process in ``--log-dir``.
+outlives the fleet. Logs go to one file per process in ``--log-dir``; without one, in a new temporary directory
+that is removed at exit (kept when a process failed, so its log can be read). Once every replica's ``/health`` and
+the router's answer, it prints a ``pagedserve fleet: ready`` line.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,7 +54,8 @@ class Fleet:
         router_port, prometheus_port: the router's API and its own metrics.
         policy: the router's load-balancing policy.
         router_args: extra vllm-router arguments (after ``pagedserve route``'s own settings).
-        log_dir: one ``replica-<i>.log`` / ``router.log`` per process (default: a new temporary directory).
+        log_dir: one ``replica-<i>.log`` / ``router.log`` per process (default: a new temporary directory, see
+            :meth:`remove_temporary_logs`).
     """
 
     num_replicas: int
@@ -70,6 +74,7 @@ class Fleet:
     def __post_init__(self):
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        self.temporary_log_dir = self.log_dir is None
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="pagedserve-fleet-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.replicas = [None] * self.num_replicas
@@ -113,8 +118,9 @@ class Fleet:
         self.router = self._spawn(command, "router.log")
 
     def start(self, timeout_s: float = 600) -> Fleet:
-        """Start every replica, wait for their ``/health``, then start the router and wait for it. Raises
-        RuntimeError (naming the log) when a process exits or is not ready within ``timeout_s``."""
+        """Start every replica, wait for their ``/health``, then start the router and wait for it; on return every
+        replica's ``/health`` and the router's answer 200. Raises RuntimeError (naming the log) when a process
+        exits or is not ready within ``timeout_s``."""
         for i in range(self.num_replicas):
             self.start_replica(i)
         deadline = time.monotonic() + timeout_s
@@ -123,6 +129,8 @@ class Fleet:
         self.start_router()
         self._wait(lambda: http_ok(self.router_url + "/health"), self.router, "router.log",
                    deadline - time.monotonic())
+        for i in range(self.num_replicas):  # still up now that the router is
+            self.wait_replica(i, deadline - time.monotonic())
         return self
 
     def wait_replica(self, i: int, timeout_s: float) -> None:
@@ -160,11 +168,21 @@ class Fleet:
                 _signal_group(p, signal.SIGKILL)  # whatever of the group is left (children included)
                 p.wait()
 
+    def remove_temporary_logs(self) -> bool:
+        """Delete the log directory if this fleet made it (no ``log_dir`` given); a given one is kept. Returns
+        whether it was removed."""
+        if not self.temporary_log_dir:
+            return False
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        return True
+
     def __enter__(self) -> Fleet:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
         self.stop()
+        if exc_type is None:  # after a failure the logs say why: kept
+            self.remove_temporary_logs()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -181,11 +199,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        epilog="Arguments after -- go to every `pagedserve serve` replica.")
     p.add_argument("--replicas", "-n", type=int, default=2, help="number of replicas")
     p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy")
-    p.add_argument("--router-port", type=int, default=8080)
+    p.add_argument("--router-port", type=int, default=8080, help="the router's OpenAI API port")
     p.add_argument("--prometheus-port", type=int, default=29000, help="the router's own /metrics")
     p.add_argument("--http-base-port", type=int, default=8101, help="replica i's HTTP port is this + i")
     p.add_argument("--grpc-base-port", type=int, default=50151, help="replica i's gRPC port is this + i")
-    p.add_argument("--log-dir", default=None, help="per-process logs (default: a new temporary directory)")
+    p.add_argument("--log-dir", default=argparse.SUPPRESS,
+                   help="per-process logs, kept (default: a new temporary directory, removed at exit unless a "
+                        "process failed)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `pagedserve serve` arguments")
     p.set_defaults(run=run)
     return p
@@ -198,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     fleet = Fleet(args.replicas, serve_args[1:] if serve_args[:1] == ["--"] else serve_args,
                   http_base_port=args.http_base_port, grpc_base_port=args.grpc_base_port,
                   router_port=args.router_port, prometheus_port=args.prometheus_port, policy=args.policy,
-                  log_dir=Path(args.log_dir) if args.log_dir else None)
+                  log_dir=Path(args.log_dir) if getattr(args, "log_dir", None) else None)
     stop, started = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:
@@ -218,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"replica {i}  http {fleet.http_url(i)}  grpc {fleet.grpc_target(i)}", flush=True)
         print(f"gRPC, round robin over all: pagedserve-client --target "
               f"ipv4:{','.join(fleet.grpc_target(i) for i in range(args.replicas))} ...", flush=True)
+        print(f"pagedserve fleet: ready ({args.replicas} replicas and the router answer /health)", flush=True)
         while not stop.wait(1.0):
             if fleet.router.poll() is not None:
                 print(f"pagedserve fleet: the router exited; see {fleet.log_dir / 'router.log'}", file=sys.stderr)
@@ -230,4 +251,12 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         fleet.stop()
+        _drop_logs(fleet, status)
     return status
+
+
+def _drop_logs(fleet: Fleet, status: int) -> None:
+    if status == 0 and fleet.remove_temporary_logs():
+        print(f"pagedserve fleet: removed {fleet.log_dir}", flush=True)
+    elif fleet.temporary_log_dir:
+        print(f"pagedserve fleet: logs kept in {fleet.log_dir}", file=sys.stderr, flush=True)

@@ -1,7 +1,9 @@
 """Chat completion responses and stream chunks (OpenAI's ``chat.completion`` / ``chat.completion.chunk``), with
 tool calls: a choice's text goes through the request's tool parser (:mod:`pagedserve.tool_calls`), so the message
 carries ``tool_calls`` and the stream sends their deltas; a choice that called tools and stopped finishes with
-``"tool_calls"``."""
+``"tool_calls"`` (one cut by ``max_tokens`` keeps ``"length"``). A streamed step that adds nothing to the
+delta (text held back by the tool parser or an incomplete UTF-8 character) sends no chunk, except the one carrying
+``finish_reason``."""
 from __future__ import annotations
 
 from ..outputs import CompletionDelta
@@ -64,9 +66,12 @@ class ChatShaper:
             self.usage.add(d.usage)
         if d.text or d.token_ids or d.finish_reason is not None:
             delta, called = self._delta(index, d)
+            logprobs = self.logprobs and bool(d.logprobs)
+            if not delta and not logprobs and d.finish_reason is None:
+                return out  # as vLLM: a step whose text is held back (a tool call's start, partial UTF-8) sends nothing
             choice = {"index": index, "delta": delta,
-                      "logprobs": {"content": cv.chat_logprobs(d.logprobs or [], self.text)}
-                      if self.logprobs and d.logprobs else None, "finish_reason": _finish(d.finish_reason, called)}
+                      "logprobs": {"content": cv.chat_logprobs(d.logprobs, self.text)} if logprobs else None,
+                      "finish_reason": _finish(d.finish_reason, called)}
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.matched_stop
             out.append(self._chunk([choice]))

@@ -20,6 +20,7 @@ from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
 from .generation import GenerationService
 from .metrics import ServerMetrics
+from .prompts import template_renders_tools
 from .services import Services
 
 log = structlog.get_logger(__name__)
@@ -74,6 +75,8 @@ class ServiceFactory:
         front.start()
         metrics.bind_engine(engine.stats, served_name, info.tensor_parallel_size)
         template = load_chat_template(self.server_config.chat_template)
+        if self.server_config.enable_auto_tool_choice:
+            warn_if_template_ignores_tools(template or getattr(front.tokenizer, "chat_template", None))
         return GenerationService(front, info, metrics, served_name, template)
 
     async def _embedding(self, generation: GenerationService | None) -> EmbeddingService:
@@ -117,6 +120,16 @@ def load_chat_template(value: str | None) -> str | None:
             return f.read()
     except OSError as exc:
         raise ValueError(f"chat_template: cannot read {value!r}: {exc.strerror}") from None
+
+
+def warn_if_template_ignores_tools(template: str | dict | None) -> bool:
+    """With auto tool choice on: log a warning when the chat template in use never references ``tools``, so
+    requests' tools never reach the prompt (the model cannot know them). Returns whether it warned."""
+    if template_renders_tools(template):
+        return False
+    log.warning("chat_template_ignores_tools", hint="tool_choice auto needs a template that renders the tools "
+                "variable: pass --chat-template FILE (named or required tool_choice still work, via the grammar)")
+    return True
 
 
 async def in_daemon_thread(fn, *args):

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jinja2
+from jinja2 import meta as jinja_meta
+
 from ..errors import InvalidInputError
 
 
@@ -71,3 +74,19 @@ def render_prompt(prompt: Prompt, tokenizer, chat_template: str | None = None) -
         return apply_chat_template(tokenizer, list(prompt.messages), prompt.field, prompt.add_generation_prompt,
                                    list(prompt.tools) if prompt.tools else None, chat_template)
     raise TypeError(f"not a prompt: {type(prompt).__name__}")
+
+
+def template_renders_tools(template: str | dict | None) -> bool:
+    """Whether a Jinja chat template references the ``tools`` variable (HF ``apply_chat_template``'s tool list),
+    i.e. whether a request's ``tools`` can reach the prompt. ``template``: the template text, or a tokenizer's
+    ``{name: text}`` dict of named templates (True when any of them does); None (no template) is False. A template
+    that does not parse is read as text: True when the word ``tools`` appears in it."""
+    if not template:
+        return False
+    if isinstance(template, dict):
+        return any(template_renders_tools(t) for t in template.values())
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # as HF's renderer ({% break %})
+        return "tools" in jinja_meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateSyntaxError:
+        return "tools" in template
