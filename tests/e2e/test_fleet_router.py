@@ -186,6 +186,9 @@ def test_sigkill_a_replica_under_round_robin_load(fleet):
         wait_until(lambda: _workers(fleet)[dead] is False, DOWN_WITHIN_S + 3, "the router never marked it down")
         marked_down_at = time.monotonic()
         marked_down_s = marked_down_at - killed_at
+        # On a fast machine the first 32 can all have started before the router marked the replica down, so send 8
+        # more after it: the survivor must carry every one.
+        futures += [pool.submit(_complete, client, 32 + i) for i in range(8)]
         results = [f.result(timeout=2 * REQUEST_TIMEOUT_S) for f in futures]
     outcomes = [r for r, _ in results]
     print(f"SIGKILL under load: {Counter(outcomes)}, marked down after {marked_down_s:.1f} s")  # shown with -s
@@ -193,7 +196,7 @@ def test_sigkill_a_replica_under_round_robin_load(fleet):
     assert marked_down_s <= DOWN_WITHIN_S + 3
     # the survivor carried the load: every request that started after the router marked the replica down succeeded
     late = [r for r, start in results if start > marked_down_at]
-    assert late and all(r == "ok" for r in late), results
+    assert len(late) >= 8 and all(r == "ok" for r in late), results
     assert outcomes.count("ok") >= 24, outcomes
     assert _workers(fleet)[fleet.http_url(0)] is True
 
