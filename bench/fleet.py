@@ -28,7 +28,6 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,25 +37,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # two replicas on a small machine
 
 import httpx  # noqa: E402
 
-from pagedserve.fleet.local import Fleet  # noqa: E402
+from pagedserve.fleet.local import Fleet, free_port_pair  # noqa: E402
 
 WORDS = ("cache block token prefix router replica engine batch kernel tensor queue stream latency policy metric "
          "scheduler decode prefill sample logits vocabulary paged memory thread socket health circuit breaker "
          "retry budget window label selector service deployment probe container image sidecar cluster").split()
-
-
-def port_pair() -> int:
-    """A port p with p and p + 1 free a moment ago (replica i uses base + i)."""
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
 
 
 def system_prompts(num_words: int, count: int = 3) -> list[str]:
@@ -107,8 +92,8 @@ def run_policy(policy: str, args, conversations: list[list[dict]]) -> dict:
     serve_args = ["--embedding-model", "none", "--device", "cpu", "--max-num-seqs", "4"]
     if args.num_kv_blocks:
         serve_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    with Fleet(2, serve_args, http_base_port=port_pair(), grpc_base_port=port_pair(),
-               router_port=port_pair(), prometheus_port=port_pair(), policy=policy) as fleet:
+    with Fleet(2, serve_args, http_base_port=free_port_pair(), grpc_base_port=free_port_pair(),
+               router_port=free_port_pair(), prometheus_port=free_port_pair(), policy=policy) as fleet:
         fleet.start()
         for i in range(fleet.num_replicas):  # warm-up, straight to each replica
             httpx.post(fleet.http_url(i) + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},

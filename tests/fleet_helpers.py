@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 
 def write_tiny_llama(path) -> str:
@@ -47,16 +46,3 @@ def alive(pid: int) -> bool:
         return False
 
 
-def port_pair() -> int:
-    """A port p with p and p + 1 free a moment ago (replica i of a fleet uses base + i)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")

@@ -12,8 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet_helpers import alive, children_of, port_pair, write_tiny_llama
+from fleet_helpers import alive, children_of, write_tiny_llama
 from support import free_port, wait_until
+
+from pagedserve.fleet.local import free_port_pair
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm_router")
@@ -29,7 +31,7 @@ def _start(tiny_model: str, num_replicas: int, log_dir) -> tuple[subprocess.Pope
     router_port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.cli", "fleet", "-n", str(num_replicas), "--policy", "round_robin",
            "--router-port", str(router_port), "--prometheus-port", str(free_port()),
-           "--http-base-port", str(port_pair()), "--grpc-base-port", str(port_pair()),
+           "--http-base-port", str(free_port_pair()), "--grpc-base-port", str(free_port_pair()),
            *(["--log-dir", str(log_dir)] if log_dir is not None else []),
            "--", "--model", tiny_model, "--embedding-model", "none", "--device", "cpu", "--dtype", "float32",
            "--attention-backend", "torch", "--shutdown-grace-s", "2"]

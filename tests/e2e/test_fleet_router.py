@@ -22,8 +22,8 @@ from support import free_port, wait_until
 pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm_router")
 
-from fleet_helpers import port_pair, write_tiny_llama  # noqa: E402
-from pagedserve.fleet.local import Fleet  # noqa: E402
+from fleet_helpers import write_tiny_llama  # noqa: E402
+from pagedserve.fleet.local import Fleet, free_port_pair  # noqa: E402
 from pagedserve.fleet.router import DOWN_WITHIN_S  # noqa: E402
 
 REQUEST_TIMEOUT_S = 120  # a request still open after this counts as hung
@@ -38,7 +38,7 @@ def tiny_model(tmp_path_factory):
 def fleet(tiny_model, tmp_path_factory):
     f = Fleet(2, ["--model", tiny_model, "--embedding-model", "none", "--device", "cpu", "--dtype", "float32",
                   "--attention-backend", "torch", "--max-num-seqs", "8", "--shutdown-grace-s", "2"],
-              http_base_port=port_pair(), grpc_base_port=port_pair(), router_port=free_port(),
+              http_base_port=free_port_pair(), grpc_base_port=free_port_pair(), router_port=free_port(),
               prometheus_port=free_port(), policy="round_robin", log_dir=tmp_path_factory.mktemp("fleet-logs"))
     try:
         f.start(timeout_s=300)

@@ -117,20 +117,27 @@ def test_held_back_character_is_released_when_complete(smol):
     assert truncated.flush() == smol.decode(ids[:1])  # the completion ended inside the character: as decode does
 
 
+class _Recording:
+    """The tokenizer, recording the length of every ``decode`` call in ``calls``."""
+
+    def __init__(self, tokenizer, calls: list[int]):
+        self._tokenizer, self._calls = tokenizer, calls
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def decode(self, ids, **kw):
+        self._calls.append(len(ids))
+        return self._tokenizer.decode(ids, **kw)
+
+
 def test_window_stays_small(smol):
     """O(1) per token: decode is only ever called on a few ids, however long the completion."""
     calls = []
-
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(smol, name)
-
-        def decode(self, ids, **kw):
-            calls.append(len(ids))
-            return smol.decode(ids, **kw)
+    recording = _Recording(smol, calls)
 
     ids = smol.encode(" ".join(TEXTS) * 8, add_special_tokens=False)
-    detok = IncrementalDetokenizer(Recording(), SamplingParams(), [])
+    detok = IncrementalDetokenizer(recording, SamplingParams(), [])
     for t in ids:
         detok.add_tokens([t])
     assert len(ids) > 1000 and max(calls[-len(ids):]) <= 8
@@ -139,20 +146,13 @@ def test_window_stays_small(smol):
 def test_long_runs_of_invalid_bytes(smol):
     """Lone continuation bytes decode to U+FFFD that no later token completes: released, window kept bounded."""
     calls = []
-
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(smol, name)
-
-        def decode(self, ids, **kw):
-            calls.append(len(ids))
-            return smol.decode(ids, **kw)
+    recording = _Recording(smol, calls)
 
     cont, lead, e4 = smol.convert_tokens_to_ids(["ĸ", "ä¸", "ä"])  # 0x96, 0xE4 0xB8, 0xE4
     ids = [cont] * 40 + [lead, cont] + [e4] * 30 + smol.encode("ok 世界", add_special_tokens=False)
     for chunks in (None, [3] * len(ids)):
         calls.clear()
-        deltas, _, _ = _stream(Recording(), ids, chunks=chunks, check_prefix_of=smol.decode(ids))
+        deltas, _, _ = _stream(recording, ids, chunks=chunks, check_prefix_of=smol.decode(ids))
         assert "".join(deltas) == smol.decode(ids)
         assert sum(len(d) for d in deltas[:30]) > 0 and max(calls) <= 32
 

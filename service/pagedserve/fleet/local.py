@@ -15,6 +15,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,22 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def free_port_pair(host: str = "127.0.0.1", attempts: int = 100) -> int:
+    """A port p with p and p + 1 free on ``host`` a moment ago (a two-replica fleet's base port: replica i uses
+    base + i). Raises RuntimeError when ``attempts`` tries found no such pair."""
+    for _ in range(attempts):
+        with socket.socket() as a:
+            a.bind((host, 0))
+            p = a.getsockname()[1]
+            try:
+                with socket.socket() as b:
+                    b.bind((host, p + 1))
+                return p
+            except OSError:
+                continue
+    raise RuntimeError("no two consecutive free ports")
 
 
 @dataclass
