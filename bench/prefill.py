@@ -1,13 +1,16 @@
 """Prefill of long prompts through the embedded model (SmolLM2-135M, Q4_1 linears as stored, Q8_0 tied LM head),
-the quantized linears on float32 activations against int8 activations, in one process, taking turns.
+the quantized linears' paths against each other (float32 activations, int8 activations, the float32 GEMM of the
+decoded weights), in one process, taking turns.
 
     .venv/bin/python bench/prefill.py [--threads 2] [--lengths 256 1024] [--repeats 5] [--greedy 64]
 
 One prefill: the model's forward over a P-token prompt (pagedserve's CPU attention backend as the engine uses it, a
-fresh paged KV cache, block size 16) and the logits of the last position, as the engine computes them. The three
+fresh paged KV cache, block size 16) and the logits of the last position, as the engine computes them. The four
 settings are the same loaded model with ``a8_min_tokens`` set to 0 (float32 activations: ``linear_q4`` /
 ``linear_q8``) or :data:`~pagedserve.models.cpu_linear.A8_MIN_TOKENS` (int8 activations: ``linear_q4_a8`` /
-``linear_q8_a8``) in two levels (linear_kernels "auto") or one ("int8-activations"), alternated call by call so load
+``linear_q8_a8``) in two levels or one ("int8-activations"), or with ``dq_min_tokens`` at
+:data:`~pagedserve.models.cpu_linear.DQ_MIN_TOKENS` too ("dq gemm", linear_kernels "auto": ``dequantize_q4`` /
+``_q8`` and torch's float32 GEMM), alternated call by call so load
 from other processes hits both alike; the median of ``--repeats`` calls each is printed as ms, prompt tokens/s and
 GFLOP/s-equivalent = 2 x params x P / time, where params are the model's non-embedding parameters (the 30 decoder
 layers' linears and norms and the final norm: the tied LM head is the embedding and runs for one position only, so
@@ -34,13 +37,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import QUICK_PROMPTS, chat_prompt_ids, configure_threads  # noqa: E402
 from pagedserve.attention.base import AttentionMetadata  # noqa: E402
 from pagedserve.attention.cpu import CpuAttentionBackend  # noqa: E402
-from pagedserve.engine.model_runner import allocate_kv_caches  # noqa: E402
-from pagedserve.models.cpu_linear import A8_MIN_TOKENS, use_int8_activations  # noqa: E402
+from pagedserve.worker.kv_tensors import allocate_kv_caches  # noqa: E402
+from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, DQ_MIN_TOKENS, use_dequantized_gemm,  # noqa: E402
+                                          use_int8_activations)
 from pagedserve.models.loader import ModelSource  # noqa: E402
 from pagedserve.models.registry import build_model  # noqa: E402
 
-# name: (a8_min_tokens, levels); "int8 x2" is linear_kernels "auto", "int8 x1" is "int8-activations"
-SETTINGS = {"float32 act": (0, 2), "int8 x2": (A8_MIN_TOKENS, 2), "int8 x1": (A8_MIN_TOKENS, 1)}
+# name: (a8_min_tokens, levels, dq_min_tokens); "dq gemm" is linear_kernels "auto" (two-level int8 below
+# DQ_MIN_TOKENS), "int8 x1" is "int8-activations", "float32 act" the own float kernels alone
+SETTINGS = {"float32 act": (0, 2, 0), "int8 x2": (A8_MIN_TOKENS, 2, 0), "int8 x1": (A8_MIN_TOKENS, 1, 0),
+            "dq gemm": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS)}
+
+
+def use_setting(model, setting: tuple[int, int, int]) -> None:
+    use_int8_activations(model, *setting[:2])
+    use_dequantized_gemm(model, setting[2])
 
 
 def text_ids(tokenizer, n: int) -> list[int]:
@@ -88,11 +99,11 @@ def bench_prefill(model, tokenizer, lengths: list[int], repeats: int) -> None:
         ids = text_ids(tokenizer, n)
         samples = {key: [] for key in SETTINGS}
         for key, setting in SETTINGS.items():   # warm-up
-            use_int8_activations(model, *setting)
+            use_setting(model, setting)
             prefill(model, ids, backend)
         for _ in range(repeats):
             for key, setting in SETTINGS.items():
-                use_int8_activations(model, *setting)
+                use_setting(model, setting)
                 start = time.perf_counter()
                 prefill(model, ids, backend)
                 samples[key].append(time.perf_counter() - start)
@@ -107,7 +118,7 @@ def bench_prefill(model, tokenizer, lengths: list[int], repeats: int) -> None:
 def greedy_outputs(model, tokenizer, cfg, max_tokens: int) -> list[list[int]]:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     engine, _ = build_engine(EngineConfig(device="cpu", enforce_eager=True, num_kv_blocks=256), model=model,
                              tokenizer=tokenizer, hf_config=cfg)
@@ -124,7 +135,7 @@ def greedy_outputs(model, tokenizer, cfg, max_tokens: int) -> list[list[int]]:
 def bench_greedy(model, tokenizer, cfg, max_tokens: int) -> None:
     outs = {}
     for key, setting in SETTINGS.items():
-        use_int8_activations(model, *setting)
+        use_setting(model, setting)
         outs[key] = greedy_outputs(model, tokenizer, cfg, max_tokens)
     a = outs["float32 act"]
     for key in list(SETTINGS)[1:]:

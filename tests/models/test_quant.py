@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve.kernels.cpu_build import cpu_kernel_ops
-from pagedserve.models.cpu_linear import StreamingInt4Linear, StreamingInt8Linear
+from pagedserve.models.cpu_linear import DQ_MIN_TOKENS, StreamingInt4Linear, StreamingInt8Linear
 from pagedserve.models.quant import (Int4Linear, Int4Weight, Int8BlockWeight, Int8Linear, quantize_int4,
                                      quantize_int8_per_channel)
 
@@ -138,16 +138,26 @@ def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(top1), torch.cat(nll)
 
 
-def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts):
+@pytest.mark.parametrize("path", ["as built", "int8 x2"])
+def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     """2,000 tokens of a fixed text: top-1 agrees with the dequantized fp32 model on >= 99% of positions and the
-    perplexity is within 1%."""
+    perplexity is within 1%. "as built": the defaults (one prefill: the float32 GEMM of the decoded weights where the
+    own kernels run); "int8 x2": that path off, so the chunk runs on two-level int8 activations."""
+    from pagedserve.models.cpu_linear import use_dequantized_gemm
+
     model, tokenizer, _ = llm_parts
     ids = _fixed_text_ids(tokenizer)
-    top_q, nll_q = _teacher_forced(llm_int4, ids)
+    if path == "int8 x2" and not llm_int4.a8_min_tokens:
+        pytest.skip("the own CPU kernels did not load: no int8 activations")
+    use_dequantized_gemm(llm_int4, 0 if path == "int8 x2" else llm_int4.dq_min_tokens)
+    try:
+        top_q, nll_q = _teacher_forced(llm_int4, ids)
+    finally:
+        use_dequantized_gemm(llm_int4, llm_int4.dq_min_tokens)
     top_f, nll_f = _teacher_forced(model, ids)
     agree = (top_q == top_f).float().mean().item()
     ppl_q, ppl_f = nll_q.mean().exp().item(), nll_f.mean().exp().item()
-    print(f"\nteacher-forced {len(ids)} tokens: top-1 agreement {agree:.4f}, perplexity int4 {ppl_q:.3f} "
+    print(f"\nteacher-forced {len(ids)} tokens ({path}): top-1 agreement {agree:.4f}, perplexity int4 {ppl_q:.3f} "
           f"fp32 {ppl_f:.3f} ({ppl_q / ppl_f - 1:+.2%})")
     assert agree >= 0.99
     assert abs(ppl_q / ppl_f - 1) <= 0.01
@@ -237,6 +247,7 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels)
     assert own == (kernels != "torch" and cpu_kernel_ops() is not None)
     levels = {"auto": 2, "int8-activations": 1}.get(kernels, 0) if own else 0   # int8 activations from 16 tokens
     assert (model.a8_levels, model.a8_min_tokens > 0) == (levels, levels > 0)
+    assert model.dq_min_tokens == (DQ_MIN_TOKENS if own and kernels in ("auto", "float-activations") else 0)
     if levels:
         assert model.layers[0].mlp.down_proj.a8_levels == levels
     linear = {(True, "int4"): StreamingInt4Linear, (True, "int8"): StreamingInt8Linear,

@@ -26,6 +26,14 @@ the fastest), ``"float-activations"`` never. On the embedded model's 2,000-token
 float32 activations (tests/models/test_quant.py): one level top-1 agreement 0.970 (under the tests' 0.99),
 perplexity +0.25%; two levels 0.9995, +0.000%.
 
+Long chunks (``dq_min_tokens`` > 0, set by :func:`use_dequantized_gemm`; from :data:`DQ_MIN_TOKENS` tokens for
+``"auto"`` and ``"float-activations"``): the call decodes the quantized weight to a float32 ``[N, K]`` tensor
+(``csrc/dequant.cpp``, about 0.2 ms for the embedded model's largest linear) and runs torch's float32 GEMM on it, as
+vLLM's CPU backend does for weights its kernels cannot take: the work per weight is 2 x M flops against one decode,
+so from a few tens of tokens the BLAS's full vector width wins over kernels that decode in their inner loop, and the
+result is the float32 function of the quantized weights (no activation rounding). The decoded copy lives for one
+call; layers above :data:`DQ_MAX_WEIGHTS` weights (a tied LM head) never take it.
+
 :func:`use_cpu_kernels` swaps a loaded model's float32 ``nn.Linear`` leaves; the quantized layers are built directly
 by :mod:`.quant_load` when its plan says so.
 """
@@ -46,6 +54,15 @@ F32_MAX_TOKENS = 32   # rows through the own fp32 kernel at most; above, torch's
 # 1.88x at 32 (bench/README.md, "int8 activations"); 16 keeps the decode of a few streams on float activations.
 A8_MIN_TOKENS = 16
 A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choice (others: none)
+# Tokens from which "auto" and "float-activations" decode a quantized weight to float32 (dequantize_q4 / _q8) and run
+# torch's float32 GEMM on it (the BLAS: AVX-512 where the CPU has it, which the own kernels do not use): exact float32
+# activations, and from here faster than both own paths. One thread, same process, the embedded model's shapes
+# (1536 x 576 / 576 x 1536 / 576 x 576 / 192 x 576), ms per call, Xeon with AVX-512 (bench/README.md, "Prefill"):
+# M=32 two-level int8 0.45 / 0.46 / 0.18 / 0.07 vs GEMM 0.63 / 0.64 / 0.18 / 0.06; M=64 0.85 / 0.88 / 0.35 / 0.13 vs
+# 0.93 / 0.90 / 0.28 / 0.10; M=256 3.37 / 3.40 / 1.35 / 0.50 vs 2.46 / 2.49 / 0.90 / 0.30.
+DQ_MIN_TOKENS = 64
+DQ_MAX_WEIGHTS = 1 << 22   # larger weights (an LM head: 28 M) keep the own kernels: no 100+ MB float32 copy per call
+DQ_CHOICES = ("auto", "float-activations")   # linear_kernels choices that take the GEMM path
 
 
 def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
@@ -78,6 +95,11 @@ def _a8_tokens(x: torch.Tensor, k: int, min_tokens: int) -> bool:
     return min_tokens > 0 and x.numel() >= min_tokens * k
 
 
+def _dq_tokens(x: torch.Tensor, layer: nn.Module) -> bool:
+    """Whether this call decodes the weight to float32 for torch's GEMM (``dq_min_tokens`` 0: never)."""
+    return layer.dq_min_tokens > 0 and x.numel() >= layer.dq_min_tokens * layer.in_features
+
+
 def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
     return None if bias is None else nn.Parameter(bias.detach().to(torch.float32).contiguous(), requires_grad=False)
 
@@ -107,7 +129,8 @@ class StreamingInt4Linear(nn.Module):
 
     Buffers: ``codes`` uint8 ``[N, K // 2]`` (each 32 weights as 16 bytes: weight j in the low nibble of byte j,
     weight j + 16 in its high nibble), ``scales`` and ``mins`` float32 ``[N, K // group_size]``. ``a8_min_tokens``:
-    tokens from which a call runs on int8 activations (0: never; see the module docstring).
+    tokens from which a call runs on int8 activations, ``dq_min_tokens`` on the float32 GEMM of the decoded weight
+    (0: never; see the module docstring).
 
     Raises:
         ValueError: a group size that is not a multiple of 32 dividing K.
@@ -125,12 +148,19 @@ class StreamingInt4Linear(nn.Module):
         self.register_buffer("scales", weight.scales.to(torch.float32).contiguous())
         self.register_buffer("mins", (weight.zeros - 8.0 * weight.scales).to(torch.float32).contiguous())
         self.bias = _bias(bias)
-        self.a8_min_tokens, self.a8_levels = 0, 2
+        self.a8_min_tokens, self.a8_levels, self.dq_min_tokens = 0, 2, 0
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight decoded to float32 ``[N, K]`` (``q * scale + min``, one FMA each)."""
+        return torch.ops.pagedserve_cpu.dequantize_q4(self.codes, self.scales, self.mins, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
+        rows = _rows(x, self.in_features)
+        if _dq_tokens(rows, self):
+            return _like(F.linear(rows, self.dequantize(), self.bias), x)
         a8 = _a8_tokens(x, self.in_features, self.a8_min_tokens)
-        args = (_rows(x, self.in_features), self.codes, self.scales, self.mins, self.group_size, self.bias)
+        args = (rows, self.codes, self.scales, self.mins, self.group_size, self.bias)
         y = ops.linear_q4_a8(*args, self.a8_levels) if a8 else ops.linear_q4(*args)
         return _like(y, x)
 
@@ -143,8 +173,8 @@ class StreamingInt8Linear(nn.Module):
 
     Built from an :class:`Int8BlockWeight` (GGUF Q8_0: group 32, float16 scales widened exactly to float32) or an
     :class:`Int8ChannelWeight` (one group of K per row). Buffers: ``codes`` int8 ``[N, K]``, ``scales`` float32
-    ``[N, K // group_size]``. ``a8_min_tokens`` as for :class:`StreamingInt4Linear` (int8 activations need K and
-    the group size to be multiples of 32; :func:`use_int8_activations` skips other layers).
+    ``[N, K // group_size]``. ``a8_min_tokens`` and ``dq_min_tokens`` as for :class:`StreamingInt4Linear` (int8
+    activations need K and the group size to be multiples of 32; :func:`use_int8_activations` skips other layers).
     """
 
     def __init__(self, weight: Int8BlockWeight | Int8ChannelWeight, bias: torch.Tensor | None = None,
@@ -159,12 +189,19 @@ class StreamingInt8Linear(nn.Module):
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.bias = _bias(bias)
-        self.a8_min_tokens, self.a8_levels = 0, 2
+        self.a8_min_tokens, self.a8_levels, self.dq_min_tokens = 0, 2, 0
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight decoded to float32 ``[N, K]`` (``q * scale``)."""
+        return torch.ops.pagedserve_cpu.dequantize_q8(self.codes, self.scales, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
+        rows = _rows(x, self.in_features)
+        if _dq_tokens(rows, self):
+            return _like(F.linear(rows, self.dequantize(), self.bias), x)
         a8 = _a8_tokens(x, self.in_features, self.a8_min_tokens)
-        args = (_rows(x, self.in_features), self.codes, self.scales, self.group_size, self.bias)
+        args = (rows, self.codes, self.scales, self.group_size, self.bias)
         y = ops.linear_q8_a8(*args, self.a8_levels) if a8 else ops.linear_q8(*args)
         return _like(y, x)
 
@@ -212,5 +249,24 @@ def use_int8_activations(model: nn.Module, min_tokens: int = A8_MIN_TOKENS, leve
         if isinstance(module, (StreamingInt4Linear, StreamingInt8Linear)) and module.in_features % 32 == 0 \
                 and module.group_size % 32 == 0:
             module.a8_min_tokens, module.a8_levels = min_tokens, levels
+            count += 1
+    return count
+
+
+def use_dequantized_gemm(model: nn.Module, min_tokens: int = DQ_MIN_TOKENS) -> int:
+    """Set ``dq_min_tokens = min_tokens`` (0: off) on every :class:`StreamingInt4Linear` and
+    :class:`StreamingInt8Linear` of ``model`` with at most :data:`DQ_MAX_WEIGHTS` weights: from that many tokens a
+    call decodes its weight to float32 and runs torch's GEMM (the module docstring). Returns how many layers were set.
+
+    Raises:
+        ValueError: a negative ``min_tokens``.
+    """
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (StreamingInt4Linear, StreamingInt8Linear)) and \
+                module.in_features * module.out_features <= DQ_MAX_WEIGHTS:
+            module.dq_min_tokens = min_tokens
             count += 1
     return count

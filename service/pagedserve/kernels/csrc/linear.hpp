@@ -79,4 +79,14 @@ inline void check_input(const at::Tensor& x, int64_t K, const c10::optional<at::
   }
 }
 
+// A q4 / q8 weight's per-group tensor (scale or min): float32 [N, K / group_size], group_size a positive multiple of
+// 32 dividing K.
+inline void check_groups(const at::Tensor& t, int64_t N, int64_t K, int64_t group_size, const char* what) {
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
+              "group_size must be a positive multiple of 32 dividing K, got ", group_size);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == N &&
+                  t.size(1) == K / group_size,
+              what, " must be contiguous float32 [N, K / group_size]");
+}
+
 }  // namespace pagedserve::cpu

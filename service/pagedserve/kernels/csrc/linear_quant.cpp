@@ -202,13 +202,6 @@ void run_row_tiles(const Rows& rows, const float* x, int64_t M, int64_t K, int64
   });
 }
 
-void check_groups(const at::Tensor& t, int64_t N, int64_t K, int64_t group_size, const char* what) {
-  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == N &&
-                  t.size(1) == K / group_size,
-              what, " must be contiguous float32 [N, K / group_size]");
-}
-
 }  // namespace
 
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
