@@ -7,8 +7,9 @@ stops it, and writes ONE table (markdown + JSON, see bench/serve_report.py) with
 TTFT / TPOT p50 and p99 for every workload x concurrency x system.
 
 Systems (``--systems``): ``pagedserve`` (``pagedserve serve`` from ``--project-python``'s environment, at its
-defaults: Q4_1 weights as stored), ``llamacpp`` (llama.cpp's llama-server, the same GGUF, 16 slots of 1,024 tokens,
-continuous batching, 2 threads) and ``vllm`` (vLLM CPU 0.32.0, the same weights dequantized to fp32, both cores).
+defaults: Q4_1 weights as stored), ``llamacpp`` (llama.cpp's llama-server, the same GGUF, 16 slots, each long
+enough for the run's longest request, continuous batching, 2 threads) and ``vllm`` (vLLM CPU 0.32.0, the same
+weights dequantized to fp32, both cores).
 Workloads: ``random-<L>`` for every ``--input-lens`` L (L-token prompts) and ``prefix`` (one
 ``--prefix-len``-token system prompt shared by every request of the run, plus a ``--user-len``-token user turn:
 vLLM's random dataset with ``--random-prefix-len``), each at every ``--concurrency``, ``--output-len`` tokens out.
@@ -40,7 +41,7 @@ REPO = os.path.dirname(HERE)
 ANCHORS_SCRIPTS = os.path.join(HERE, "anchors")
 SYSTEMS = ("pagedserve", "llamacpp", "vllm")
 SYSTEMS_DESC = {"pagedserve": "pagedserve (its defaults, Q4_1 as stored)",
-                "llamacpp": "llama.cpp llama-server (same Q4_1 GGUF, 16 slots x 1,024 tokens, 2 threads)",
+                "llamacpp": "llama.cpp llama-server (same Q4_1 GGUF, 16 slots, 2 threads)",
                 "vllm": "vLLM CPU 0.32.0 (fp32 copy of the same weights, both cores, 2 GiB KV)"}
 
 
@@ -101,6 +102,13 @@ def cell_seed(workload: str, concurrency: int) -> int:
     return zlib.crc32(f"{workload}:{concurrency}".encode()) % (2 ** 31)
 
 
+def slot_context(args: argparse.Namespace) -> int:
+    """llama-server's context per slot: the longest request of the run (prompt + output_len) rounded up to 1,024
+    tokens, so no request is cut or refused for the slot's size (1,024 at the smallest, the scripts' default)."""
+    longest = max([*args.input_lens, 0 if args.no_prefix else args.prefix_len + args.user_len]) + args.output_len
+    return -(-longest // 1024) * 1024
+
+
 def free_port() -> int:
     import socket
 
@@ -123,6 +131,7 @@ class Server:
                          "--http-port", str(port), *args.pagedserve_arg]
         elif system == "llamacpp":
             self.argv = [os.path.join(ANCHORS_SCRIPTS, "llama_server_serve.sh"), str(port), "16"]
+            self.env["CTX_PER_SLOT"] = str(slot_context(args))
         else:
             self.argv = [os.path.join(ANCHORS_SCRIPTS, "vllm_cpu_serve.sh"), str(port)]
         self.proc: subprocess.Popen | None = None
