@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from pagedserve.config import EngineConfig
 from pagedserve.kernels.cpu_build import cpu_kernel_ops, unavailable_reason
-from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, A8_MIN_TOKENS_VNNI, StreamingInt4Linear,
-                                          StreamingInt8Linear, a8_min_tokens, use_int8_activations)
+from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, StreamingInt4Linear, StreamingInt8Linear,
+                                          use_int8_activations)
 from pagedserve.models.quant import Int8BlockWeight, quantize_int4, quantize_int8_per_channel
 
 needs_kernels = pytest.mark.skipif(cpu_kernel_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
@@ -145,13 +145,6 @@ def test_int8_activation_settings_errors():
         use_int8_activations(torch.nn.Sequential(), 16, 0)
     assert EngineConfig(linear_kernels="float-activations").linear_kernels == "float-activations"
     assert A8_MIN_TOKENS >= 2
-
-
-@needs_kernels
-def test_int8_activations_from_one_token_where_the_vnni_tile_runs(isa):
-    """a8_min_tokens(): 1 while the AVX-VNNI tile is on (it wins from one token), 16 with the AVX2 tile."""
-    assert a8_min_tokens() == (A8_MIN_TOKENS_VNNI if isa == "avx-vnni" else A8_MIN_TOKENS)
-    assert (A8_MIN_TOKENS_VNNI, A8_MIN_TOKENS) == (1, 16)
 
 
 @needs_kernels

@@ -20,11 +20,11 @@ with at least that many tokens quantizes x per token in blocks of 32 to int8 (gg
 ``a = round(x / d)``) and multiplies with integer dot products (``csrc/linear_a8.cpp``); the result is exactly the
 layer applied to the rounded activations ``a * d``. With two levels (``a8_levels``) the residual ``x - a * d`` is
 quantized again the same way and multiplied too: twice the integer work, 254x less rounding error. Fewer tokens
-(decode of a few streams, on CPUs without AVX-VNNI) keep float32 activations. The linear kernels' choices
-(EngineConfig.linear_kernels): ``"auto"`` two levels from :func:`a8_min_tokens` tokens (16; 1 on CPUs with
-AVX-VNNI), ``"int8-activations"`` one level (llama.cpp's numerics, the fastest), ``"float-activations"`` never.
-On the embedded model's 2,000-token teacher-forced text against float32 activations (tests/models/test_quant.py):
-one level top-1 agreement 0.970 (under the tests' 0.99), perplexity +0.25%; two levels 0.9995, +0.000%.
+(decode of a few streams) keep float32 activations. The linear kernels' choices (EngineConfig.linear_kernels):
+``"auto"`` two levels from :data:`A8_MIN_TOKENS` tokens, ``"int8-activations"`` one level (llama.cpp's numerics,
+the fastest), ``"float-activations"`` never. On the embedded model's 2,000-token teacher-forced text against
+float32 activations (tests/models/test_quant.py): one level top-1 agreement 0.970 (under the tests' 0.99),
+perplexity +0.25%; two levels 0.9995, +0.000%.
 
 Long chunks (``dq_min_tokens`` > 0, set by :func:`use_dequantized_gemm`; from :data:`DQ_MIN_TOKENS` tokens for
 ``"auto"`` and ``"float-activations"``): the call decodes the quantized weight to a float32 ``[N, K]`` tensor
@@ -53,10 +53,6 @@ F32_MAX_TOKENS = 32   # rows through the own fp32 kernel at most; above, torch's
 # thread, same process: int8 vs float activations 0.82x at M=1, 0.74x at 2, 1.74x at 4, 1.25x at 8, 1.78x at 16,
 # 1.88x at 32 (bench/README.md, "int8 activations"); 16 keeps the decode of a few streams on float activations.
 A8_MIN_TOKENS = 16
-# Where the AVX-VNNI tile runs (one vpdpbusd per 4 weights x 8 rows x 1 token), int8 activations win from one token:
-# two threads, Xeon with AVX-VNNI, us per call, float activations vs two levels: 3072 x 576 M=1 68 vs 57, M=2 91 vs
-# 67, M=4 157 vs 89; 576 x 1536 M=1 35 vs 29; 960 x 576 M=1 25 vs 23 (bench/README.md, "Prefill").
-A8_MIN_TOKENS_VNNI = 1
 A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choice (others: none)
 # Tokens from which "auto" and "float-activations" decode a quantized weight to float32 (dequantize_q4 / _q8) and run
 # torch's float32 GEMM on it (the BLAS: AVX-512 where the CPU has it, which the own kernels do not use): exact float32
@@ -67,13 +63,6 @@ A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choi
 DQ_MIN_TOKENS = 64
 DQ_MAX_WEIGHTS = 1 << 22   # larger weights (an LM head: 28 M) keep the own kernels: no 100+ MB float32 copy per call
 DQ_CHOICES = ("auto", "float-activations")   # linear_kernels choices that take the GEMM path
-
-
-def a8_min_tokens() -> int:
-    """Tokens from which "auto" and "int8-activations" take the int8-activation kernels on this CPU:
-    :data:`A8_MIN_TOKENS_VNNI` where the kernels run their AVX-VNNI tile, else :data:`A8_MIN_TOKENS` (call after
-    the kernels loaded)."""
-    return A8_MIN_TOKENS_VNNI if torch.ops.pagedserve_cpu.linear_a8_vnni(-1) else A8_MIN_TOKENS
 
 
 def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
@@ -109,7 +98,6 @@ def _a8_tokens(x: torch.Tensor, k: int, min_tokens: int) -> bool:
 def _dq_tokens(x: torch.Tensor, layer: nn.Module) -> bool:
     """Whether this call decodes the weight to float32 for torch's GEMM (``dq_min_tokens`` 0: never)."""
     return layer.dq_min_tokens > 0 and x.numel() >= layer.dq_min_tokens * layer.in_features
-
 
 
 def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:

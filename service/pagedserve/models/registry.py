@@ -33,7 +33,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     tp: this rank's :class:`~.layers.TPGroup` (None: the whole model); each tensor is cut to the rank's part as read.
     linear_kernels: "auto" runs the linears (quantized or float32) on pagedserve's CPU kernels where they load
     (:mod:`.cpu_linear`), the quantized ones on two-level int8 activations from
-    :func:`.cpu_linear.a8_min_tokens` tokens and on torch's float32 GEMM of the decoded weight from
+    :data:`.cpu_linear.A8_MIN_TOKENS` tokens and on torch's float32 GEMM of the decoded weight from
     :data:`.cpu_linear.DQ_MIN_TOKENS`; "int8-activations" one level, no GEMM path; "float-activations" float32
     activations always (the GEMM path too); "torch" torch's kernels. The model's ``linear_kernels`` attribute says
     which ran, ``a8_min_tokens`` from how many tokens int8 activations are used (0: never), ``a8_levels`` with how
@@ -43,7 +43,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
         ValueError: for an architecture not in :data:`MODEL_REGISTRY`, a checkpoint that does not fit it, or an
             unknown ``quantization``.
     """
-    from .cpu_linear import (A8_LEVELS, DQ_CHOICES, DQ_MIN_TOKENS, a8_min_tokens, cpu_kernels_enabled,
+    from .cpu_linear import (A8_LEVELS, A8_MIN_TOKENS, DQ_CHOICES, DQ_MIN_TOKENS, cpu_kernels_enabled,
                              use_cpu_kernels, use_dequantized_gemm, use_int8_activations)
     from .quant_load import QuantPlan, prepare_model, resolve_scheme
 
@@ -71,8 +71,8 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
         use_cpu_kernels(model)
         model.linear_kernels = "pagedserve-cpu"
         levels = A8_LEVELS.get(linear_kernels, 0)
-        if levels and use_int8_activations(model, a8_min_tokens(), levels):
-            model.a8_min_tokens, model.a8_levels = a8_min_tokens(), levels
+        if levels and use_int8_activations(model, A8_MIN_TOKENS, levels):
+            model.a8_min_tokens, model.a8_levels = A8_MIN_TOKENS, levels
         if linear_kernels in DQ_CHOICES and use_dequantized_gemm(model, DQ_MIN_TOKENS):
             model.dq_min_tokens = DQ_MIN_TOKENS
 
