@@ -5,8 +5,8 @@ decoded weights), in one process, taking turns.
     .venv/bin/python bench/prefill.py [--threads 2] [--lengths 256 1024] [--repeats 5] [--greedy 64]
 
 One prefill: the model's forward over a P-token prompt (pagedserve's CPU attention backend as the engine uses it, a
-fresh paged KV cache, block size 16) and the logits of the last position, as the engine computes them. The four
-settings are the same loaded model with ``a8_min_tokens`` set to 0 (float32 activations: ``linear_q4`` /
+fresh paged KV cache, block size 16) and the logits of the last position, as the engine computes them. The
+settings (five or six: the AMX ones where the CPU has AMX-INT8) are the same loaded model with ``a8_min_tokens`` set to 0 (float32 activations: ``linear_q4`` /
 ``linear_q8``) or :data:`~pagedserve.models.cpu_linear.A8_MIN_TOKENS` (int8 activations: ``linear_q4_a8`` /
 ``linear_q8_a8``) in two levels or one ("int8-activations"), or with ``dq_min_tokens`` at
 :data:`~pagedserve.models.cpu_linear.DQ_MIN_TOKENS` too ("dq gemm", linear_kernels "auto": ``dequantize_q4`` /
@@ -38,20 +38,26 @@ from common import QUICK_PROMPTS, chat_prompt_ids, configure_threads  # noqa: E4
 from pagedserve.attention.base import AttentionMetadata  # noqa: E402
 from pagedserve.attention.cpu import CpuAttentionBackend  # noqa: E402
 from pagedserve.worker.kv_tensors import allocate_kv_caches  # noqa: E402
-from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, DQ_MIN_TOKENS, use_dequantized_gemm,  # noqa: E402
-                                          use_int8_activations)
+from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, AMX_MIN_TOKENS, DQ_MIN_TOKENS, amx_available,  # noqa: E402
+                                          use_amx, use_dequantized_gemm, use_int8_activations)
 from pagedserve.models.loader import ModelSource  # noqa: E402
 from pagedserve.models.registry import build_model  # noqa: E402
 
-# name: (a8_min_tokens, levels, dq_min_tokens); "dq gemm" is linear_kernels "auto" (two-level int8 below
-# DQ_MIN_TOKENS), "int8 x1" is "int8-activations", "float32 act" the own float kernels alone
-SETTINGS = {"float32 act": (0, 2, 0), "int8 x2": (A8_MIN_TOKENS, 2, 0), "int8 x1": (A8_MIN_TOKENS, 1, 0),
-            "dq gemm": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS)}
+# name: (a8_min_tokens, levels, dq_min_tokens, amx_min_tokens); "float32 act" the own float kernels alone, "int8
+# x2" / "int8 x1" int8 activations in two levels / one, "dq gemm" the float32 GEMM of the decoded weights from
+# DQ_MIN_TOKENS, "amx x2" / "amx x1" int8 activations on AMX tiles from AMX_MIN_TOKENS (only where AMX-INT8 runs).
+# linear_kernels "auto" is "amx x2" with AMX, else "dq gemm"; "int8-activations" is "amx x1" with AMX, else "int8 x1".
+SETTINGS = {"float32 act": (0, 2, 0, 0), "int8 x2": (A8_MIN_TOKENS, 2, 0, 0), "int8 x1": (A8_MIN_TOKENS, 1, 0, 0),
+            "dq gemm": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, 0)}
+if amx_available():
+    SETTINGS.update({"amx x2": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, AMX_MIN_TOKENS),
+                     "amx x1": (A8_MIN_TOKENS, 1, DQ_MIN_TOKENS, AMX_MIN_TOKENS)})
 
 
-def use_setting(model, setting: tuple[int, int, int]) -> None:
+def use_setting(model, setting: tuple[int, int, int, int]) -> None:
     use_int8_activations(model, *setting[:2])
     use_dequantized_gemm(model, setting[2])
+    use_amx(model, setting[3])
 
 
 def text_ids(tokenizer, n: int) -> list[int]:

@@ -37,14 +37,16 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     :data:`.cpu_linear.DQ_MIN_TOKENS`; "int8-activations" one level, no GEMM path; "float-activations" float32
     activations always (the GEMM path too); "torch" torch's kernels. The model's ``linear_kernels`` attribute says
     which ran, ``a8_min_tokens`` from how many tokens int8 activations are used (0: never), ``a8_levels`` with how
-    many levels and ``dq_min_tokens`` from how many tokens the GEMM path is taken (0: never).
+    many levels, ``dq_min_tokens`` from how many tokens the GEMM path is taken and ``amx_min_tokens`` from how many
+    the int4 layers run their int8 activations on AMX tiles where the CPU has AMX-INT8 (0: never).
 
     Raises:
         ValueError: for an architecture not in :data:`MODEL_REGISTRY`, a checkpoint that does not fit it, or an
             unknown ``quantization``.
     """
-    from .cpu_linear import (A8_LEVELS, A8_MIN_TOKENS, DQ_CHOICES, DQ_MIN_TOKENS, cpu_kernels_enabled,
-                             use_cpu_kernels, use_dequantized_gemm, use_int8_activations)
+    from .cpu_linear import (A8_LEVELS, A8_MIN_TOKENS, AMX_CHOICES, AMX_MIN_TOKENS, DQ_CHOICES, DQ_MIN_TOKENS,
+                             amx_available, cpu_kernels_enabled, use_amx, use_cpu_kernels, use_dequantized_gemm,
+                             use_int8_activations)
     from .quant_load import QuantPlan, prepare_model, resolve_scheme
 
     arch = architecture_of(config)
@@ -67,6 +69,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     model = model.to(device).eval()
     model.requires_grad_(False)
     model.linear_kernels, model.a8_min_tokens, model.a8_levels, model.dq_min_tokens = "torch", 0, 0, 0
+    model.amx_min_tokens = 0
     if own_kernels:
         use_cpu_kernels(model)
         model.linear_kernels = "pagedserve-cpu"
@@ -75,6 +78,8 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
             model.a8_min_tokens, model.a8_levels = A8_MIN_TOKENS, levels
         if linear_kernels in DQ_CHOICES and use_dequantized_gemm(model, DQ_MIN_TOKENS):
             model.dq_min_tokens = DQ_MIN_TOKENS
+        if linear_kernels in AMX_CHOICES and amx_available() and use_amx(model, AMX_MIN_TOKENS):
+            model.amx_min_tokens = AMX_MIN_TOKENS
 
     release_freed_heap()
     return model

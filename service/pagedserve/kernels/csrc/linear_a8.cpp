@@ -25,29 +25,6 @@ namespace {
 constexpr int kA8Tokens = 4;            // tokens per register tile (4 int and 4 float accumulators)
 constexpr int64_t kA8TokenBlock = 256;  // tokens per panel repack: a block's int8 activations stay in L2
 
-struct ActsA8 {
-  int levels;
-  bool vnni;                  // the AVX-VNNI tile (linear_a8_vnni.hpp)
-  std::vector<int8_t> a[2];   // per level [M, K]
-  std::vector<float> d[2];    // per level [M, K / 32]
-  std::vector<float> s;       // [M, K / 32]
-};
-
-ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels) {
-  const int64_t nb = K / kActBlock;
-  ActsA8 q{levels, a8_vnni_enabled(), {}, {}, std::vector<float>(M * nb)};
-  for (int l = 0; l < levels; ++l) {
-    q.a[l].resize(M * K);
-    q.d[l].resize(M * nb);
-  }
-  for (int64_t t = 0; t < M; ++t) {
-    int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
-    float* d[2] = {q.d[0].data() + t * nb, levels > 1 ? q.d[1].data() + t * nb : nullptr};
-    quantize_row_a8(x + t * K, K, levels, a, d, q.s.data() + t * nb);
-  }
-  return q;
-}
-
 // One panel (rows n0..n0+rows-1 of the weight) into codes [K / 4][8][4], dw and mw [K / 32][8].
 struct Q4Panels {
   const uint8_t* codes;
@@ -144,7 +121,7 @@ void run_panels_a8(const Panels& panels, const float* x, int64_t M, int64_t K, i
       // every thread quantizes the block's tokens itself: no second parallel region (each costs a wake-up of
       // the other threads, long when the cores are shared), at about 1 / (N / 8) of the block's integer work
       const int64_t m1 = std::min(M, m0 + kA8TokenBlock) - m0;
-      const ActsA8 q = quantize_acts(x + m0 * K, m1, K, levels);
+      const ActsA8 q = quantize_acts(x + m0 * K, m1, K, levels, a8_vnni_enabled());
       float* ob = out + m0 * N;
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t n0 = unit * kPanelRows, rows = std::min<int64_t>(kPanelRows, N - n0);

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstring>
+#include <vector>
 
 #include "cpu_types.hpp"
 
@@ -125,6 +126,30 @@ inline void a8_tile(const uint8_t* codes, const float* dw, const float* mw, int6
         acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b * kPanelRows), _mm256_broadcast_ss(s + t * ldd + b), acc[t]);
     }
   }
+}
+
+// A block of tokens' activations in int8, one or two levels (quantize_row_a8 per token).
+struct ActsA8 {
+  int levels;
+  bool vnni;                  // linear_a8.cpp: take the AVX-VNNI tile (linear_a8_vnni.hpp)
+  std::vector<int8_t> a[2];   // per level [M, K]
+  std::vector<float> d[2];    // per level [M, K / 32]
+  std::vector<float> s;       // [M, K / 32]
+};
+
+inline ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels, bool vnni = false) {
+  const int64_t nb = K / kActBlock;
+  ActsA8 q{levels, vnni, {}, {}, std::vector<float>(M * nb)};
+  for (int l = 0; l < levels; ++l) {
+    q.a[l].resize(M * K);
+    q.d[l].resize(M * nb);
+  }
+  for (int64_t t = 0; t < M; ++t) {
+    int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
+    float* d[2] = {q.d[0].data() + t * nb, levels > 1 ? q.d[1].data() + t * nb : nullptr};
+    quantize_row_a8(x + t * K, K, levels, a, d, q.s.data() + t * nb);
+  }
+  return q;
 }
 
 }  // namespace pagedserve::cpu

@@ -10,6 +10,7 @@
 //   linear_a8.hpp      int8 activations: quantization, 8-row weight panels, integer register tiles
 //   linear_a8_vnni.hpp the same tile on AVX-VNNI, runtime-dispatched
 //   linear_a8.cpp      linear_q4_a8, linear_q8_a8 (int8 activations, for prefill chunks), linear_a8_vnni
+//   linear_amx.cpp     linear_q4_amx (linear_q4_a8's function on AMX tiles), linear_amx_available
 //   dequant.cpp        dequantize_q4, dequantize_q8 (weights to float32 for the BLAS GEMM of long prefill chunks)
 //   attention.cpp      paged_decode_attention
 //   cache.cpp          reshape_and_cache (KV write)
@@ -35,6 +36,9 @@ at::Tensor linear_q4_a8(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
                         const c10::optional<at::Tensor>& bias, int64_t levels);
 bool linear_a8_vnni(int64_t mode);
+at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                         int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels);
+bool linear_amx_available();
 at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                          int64_t group_size);
 at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size);

@@ -15,6 +15,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "-> Tensor");
   m.def("linear_q8_a8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias, int levels) -> Tensor");
   m.def("linear_a8_vnni(int mode) -> bool", &linear_a8_vnni);   // no tensors: a catch-all kernel
+  m.def("linear_q4_amx(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias, int levels) "
+        "-> Tensor");
+  m.def("linear_amx_available() -> bool", &linear_amx_available);
   m.def("dequantize_q4(Tensor codes, Tensor scale, Tensor min, int group_size) -> Tensor");
   m.def("dequantize_q8(Tensor codes, Tensor scale, int group_size) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
@@ -30,6 +33,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("linear_q8", &linear_q8);
   m.impl("linear_q4_a8", &linear_q4_a8);
   m.impl("linear_q8_a8", &linear_q8_a8);
+  m.impl("linear_q4_amx", &linear_q4_amx);
   m.impl("dequantize_q4", &dequantize_q4);
   m.impl("dequantize_q8", &dequantize_q8);
   m.impl("paged_decode_attention", &paged_decode_attention);
