@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pagedserve.kernels.cpu_build import cpu_kernel_ops
-from pagedserve.models.cpu_linear import DQ_MIN_TOKENS, StreamingInt4Linear, StreamingInt8Linear
+from pagedserve.models.cpu_linear import (AMX_MIN_TOKENS, DQ_MIN_TOKENS, StreamingInt4Linear, StreamingInt8Linear,
+                                          amx_available)
 from pagedserve.models.quant import (Int4Linear, Int4Weight, Int8BlockWeight, Int8Linear, quantize_int4,
                                      quantize_int8_per_channel)
 
@@ -138,21 +139,24 @@ def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(top1), torch.cat(nll)
 
 
-@pytest.mark.parametrize("path", ["as built", "int8 x2"])
+@pytest.mark.parametrize("path", ["as built", "int8 x2", "dq gemm"])
 def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     """2,000 tokens of a fixed text: top-1 agrees with the dequantized fp32 model on >= 99% of positions and the
-    perplexity is within 1%. "as built": the defaults (one prefill: the float32 GEMM of the decoded weights where the
-    own kernels run); "int8 x2": that path off, so the chunk runs on two-level int8 activations."""
-    from pagedserve.models.cpu_linear import use_dequantized_gemm
+    perplexity is within 1%. One prefill, so the long-chunk path runs: "as built" the defaults (two-level int8
+    activations on AMX tiles where the CPU has AMX-INT8, else the float32 GEMM of the decoded weights); "int8 x2"
+    the own two-level int8 kernel (AMX and GEMM paths off); "dq gemm" the GEMM path (AMX off)."""
+    from pagedserve.models.cpu_linear import use_amx, use_dequantized_gemm
 
     model, tokenizer, _ = llm_parts
     ids = _fixed_text_ids(tokenizer)
-    if path == "int8 x2" and not llm_int4.a8_min_tokens:
-        pytest.skip("the own CPU kernels did not load: no int8 activations")
+    if path != "as built" and not llm_int4.a8_min_tokens:
+        pytest.skip("the own CPU kernels did not load: no int8 activations, no GEMM path")
+    use_amx(llm_int4, llm_int4.amx_min_tokens if path == "as built" else 0)
     use_dequantized_gemm(llm_int4, 0 if path == "int8 x2" else llm_int4.dq_min_tokens)
     try:
         top_q, nll_q = _teacher_forced(llm_int4, ids)
     finally:
+        use_amx(llm_int4, llm_int4.amx_min_tokens)
         use_dequantized_gemm(llm_int4, llm_int4.dq_min_tokens)
     top_f, nll_f = _teacher_forced(model, ids)
     agree = (top_q == top_f).float().mean().item()
@@ -248,6 +252,8 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels)
     levels = {"auto": 2, "int8-activations": 1}.get(kernels, 0) if own else 0   # int8 activations from 16 tokens
     assert (model.a8_levels, model.a8_min_tokens > 0) == (levels, levels > 0)
     assert model.dq_min_tokens == (DQ_MIN_TOKENS if own and kernels in ("auto", "float-activations") else 0)
+    amx = own and scheme == "int4" and kernels in ("auto", "int8-activations") and amx_available()
+    assert model.amx_min_tokens == (AMX_MIN_TOKENS if amx else 0)
     if levels:
         assert model.layers[0].mlp.down_proj.a8_levels == levels
     linear = {(True, "int4"): StreamingInt4Linear, (True, "int8"): StreamingInt8Linear,

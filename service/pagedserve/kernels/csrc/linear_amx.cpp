@@ -4,15 +4,16 @@
 // 16 x 16 int32 sums (tile C): 8,192 multiply-adds in one instruction, against 32 per vpdpbusd. The scales differ
 // per block of 32 (weights: per row; activations: per token), so every block's sums are stored and added into
 // float32 accumulators (16 rows x 16 tokens in 16 zmm registers) with the product of the two scales, plus the q4
-// min term from the activations' block sums, as linear_a8.hpp's tile does: the integer sums are exact, so the
-// result equals linear_q4_a8's up to float32 summation order.
+// min term from the activations' block sums, as linear_a8.hpp's tile does (two levels: the second level's sums
+// scaled by d1 / d0 and added to the first's before one multiply by the weight and token scales). The integer sums
+// are exact, so one level equals linear_q4_a8 bit for bit and two levels up to float32 rounding.
 //
 // Availability: the CPU reports AMX-TILE and AMX-INT8 (CPUID leaf 7) and Linux grants the process the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM, once); otherwise linear_amx_available() is false and the op raises. Only this
 // file's kernel functions are compiled for AVX-512 and AMX (target attributes); the build stays -mavx2.
-// Work split: 16-row panels over ATen's threads; per block of kAmxTokenBlock tokens each thread quantizes the
-// activations and repacks them into B tiles, then per panel unpacks the codes into A tiles and runs every group of
-// 16 tokens through them.
+// Work split: the activations are quantized into B tiles once per call (groups of 16 tokens over ATen's threads);
+// then 16-row panels over the threads: per block of kAmxTokenBlock tokens, each panel's codes are unpacked into A
+// tiles and every group of 16 tokens of the block runs through them.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <cpuid.h>
@@ -20,6 +21,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "linear.hpp"
@@ -31,7 +34,7 @@ namespace {
 
 constexpr int kAmxRows = 16;             // weight rows per panel: tile A's rows, tile C's rows
 constexpr int kAmxTokens = 16;           // tokens per group: tile C's int32 columns
-constexpr int64_t kAmxTokenBlock = 256;  // tokens quantized and repacked at a time
+constexpr int64_t kAmxTokenBlock = 256;  // tokens whose B tiles one pass over the panels reads (L2)
 constexpr int64_t kTileBytes = 512;      // one block's A tile (16 x 32) or B tile (8 x 64)
 
 struct alignas(64) TileConfig {   // the LDTILECFG memory format, palette 1
@@ -51,23 +54,77 @@ bool amx_supported() {
   return ok;
 }
 
-// The activations of tokens [t0, t0 + 16) (zeros past m1), level l, in B tiles: per block b, [8 steps][16 tokens][4].
-void pack_b(const ActsA8& q, int l, int64_t t0, int64_t m1, int64_t K, int8_t* out) {
-  const int64_t nb = K / kActBlock;
-  std::fill(out, out + nb * kTileBytes, int8_t{0});
-  for (int64_t t = 0; t < kAmxTokens && t0 + t < m1; ++t) {
-    const int8_t* a = q.a[l].data() + (t0 + t) * K;
-    for (int64_t b = 0; b < nb; ++b)
-      for (int j = 0; j < 8; ++j) std::memcpy(out + b * kTileBytes + (j * kAmxTokens + t) * 4, a + b * 32 + 4 * j, 4);
-  }
-}
+struct GroupTiles {   // one group of 16 tokens, ready for the tiles
+  const int8_t* b[2];     // per level: nb B tiles, each [8 steps][16 tokens][4]
+  const float* d[2];      // [nb][16]: level 1's token scales d0; level 2's d1 / d0
+  const float* s;         // [nb][16] block sums
+};
 
-// Per block b of tokens [t0, t0 + 16): v[b][t] = src[(t0 + t) * nb + b] (zeros past m1).
-void pack_scales(const float* src, int64_t t0, int64_t m1, int64_t nb, float* out) {
-  std::fill(out, out + nb * kAmxTokens, 0.0f);
-  for (int64_t t = 0; t < kAmxTokens && t0 + t < m1; ++t)
-    for (int64_t b = 0; b < nb; ++b) out[b * kAmxTokens + t] = src[(t0 + t) * nb + b];
-}
+// Every token's activations quantized (quantize_row_a8) straight into B tiles, per group of 16 tokens, with the
+// scales and block sums transposed to [block][token]; tokens past M in the last group are zeros. Groups split
+// over ATen's threads.
+class PackedActs {
+ public:
+  PackedActs(const float* x, int64_t M, int64_t K, int levels)
+      : levels_(levels), nb_(K / kActBlock), groups_((M + kAmxTokens - 1) / kAmxTokens),
+        tiles_(new int8_t[groups_ * levels * nb_ * kTileBytes]),
+        scales_(new float[groups_ * (levels + 1) * nb_ * kAmxTokens]) {   // uninitialized: every entry is written
+    at::parallel_for(0, groups_, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int8_t> row(2 * K);
+      std::vector<float> d(2 * nb_), s(nb_);
+      for (int64_t gi = begin; gi < end; ++gi) {
+        const int64_t tokens = std::min<int64_t>(kAmxTokens, M - gi * kAmxTokens);
+        if (tokens < kAmxTokens) zero_group(gi);
+        for (int64_t t = 0; t < tokens; ++t) {
+          int8_t* a[2] = {row.data(), row.data() + K};
+          float* dl[2] = {d.data(), d.data() + nb_};
+          quantize_row_a8(x + (gi * kAmxTokens + t) * K, K, levels, a, dl, s.data());
+          scatter(gi, t, row.data(), d.data(), s.data(), K);
+        }
+      }
+    });
+  }
+
+  int64_t groups() const { return groups_; }
+
+  GroupTiles group(int64_t gi) const {
+    GroupTiles g{};
+    for (int l = 0; l < levels_; ++l) g.b[l] = tile(gi, l), g.d[l] = scale(gi, l);
+    g.s = scale(gi, levels_);
+    return g;
+  }
+
+ private:
+  int8_t* tile(int64_t gi, int l) const { return tiles_.get() + (gi * levels_ + l) * nb_ * kTileBytes; }
+  float* scale(int64_t gi, int l) const { return scales_.get() + (gi * (levels_ + 1) + l) * nb_ * kAmxTokens; }
+
+  void zero_group(int64_t gi) {
+    std::fill(tile(gi, 0), tile(gi, 0) + levels_ * nb_ * kTileBytes, int8_t{0});
+    std::fill(scale(gi, 0), scale(gi, 0) + (levels_ + 1) * nb_ * kAmxTokens, 0.0f);
+  }
+
+  // Token t of group gi: its int8 row per level (row + l * K) into the B tiles, d and s into [block][token].
+  void scatter(int64_t gi, int64_t t, const int8_t* row, const float* d, const float* s, int64_t K) {
+    for (int l = 0; l < levels_; ++l) {
+      int8_t* b = tile(gi, l);
+      float* dl = scale(gi, l);
+      for (int64_t blk = 0; blk < nb_; ++blk) {
+        for (int j = 0; j < 8; ++j)
+          std::memcpy(b + blk * kTileBytes + (j * kAmxTokens + t) * 4, row + l * K + blk * 32 + 4 * j, 4);
+        // level 2 keeps d1 / d0: its sums are folded into level 1's before the weight scale (amx_panel_group)
+        const float d0 = d[blk];
+        dl[blk * kAmxTokens + t] = l == 0 ? d0 : (d0 > 0.0f ? d[l * nb_ + blk] / d0 : 0.0f);
+      }
+    }
+    float* sl = scale(gi, levels_);
+    for (int64_t blk = 0; blk < nb_; ++blk) sl[blk * kAmxTokens + t] = s[blk];
+  }
+
+  int levels_;
+  int64_t nb_, groups_;
+  std::unique_ptr<int8_t[]> tiles_;
+  std::unique_ptr<float[]> scales_;
+};
 
 // Rows n0..n0+rows-1 into A tiles: per block b, [16 rows][32] unsigned codes; dw, mw [b][16] (zeros past rows).
 void pack_a(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size, int64_t n0,
@@ -91,17 +148,12 @@ void pack_a(const uint8_t* codes, const float* scale, const float* min, int64_t 
   }
 }
 
-struct GroupTiles {   // one group of 16 tokens, ready for the tiles
-  const int8_t* b[2];     // per level: nb B tiles
-  const float* d[2];      // per level: [nb][16] token scales
-  const float* s;         // [nb][16] block sums
-};
-
-// One panel x one token group: C = A . B per block and level, then acc[r][t] += C * dw[r] * d[t] (+ mw[r] * s[t]).
-// Writes out[(t0 + t) * N + n0 + r] (+ bias) for t < tokens, r < rows.
+// One panel x one token group: C = A . B per block and level, then acc[r][t] += (C0 + C1 * d1 / d0) * dw[r] * d0[t]
+// + mw[r] * s[t] (kLevels 1: C0 alone). Writes out[t * N + n0 + r] (+ bias) for t < tokens, r < rows.
+template <int kLevels>
 __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"), noinline)) void amx_panel_group(
-    const uint8_t* a, const float* dw, const float* mw, int64_t nb, int levels, const GroupTiles& g, float* out,
-    int64_t N, int64_t n0, int64_t rows, int64_t tokens, const float* bias) {
+    const uint8_t* a, const float* dw, const float* mw, int64_t nb, const GroupTiles& g, float* out, int64_t N,
+    int64_t n0, int64_t rows, int64_t tokens, const float* bias) {
   alignas(64) int32_t c[2][kAmxRows * kAmxTokens];
   __m512 acc[kAmxRows];
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
@@ -111,26 +163,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"), noinline))
     _tile_loadd(3, g.b[0] + blk * kTileBytes, 64);
     _tile_dpbusd(0, 2, 3);
     _tile_stored(0, c[0], 64);
-    if (levels > 1) {
+    if constexpr (kLevels > 1) {
       _tile_zero(1);
       _tile_loadd(4, g.b[1] + blk * kTileBytes, 64);
       _tile_dpbusd(1, 2, 4);
       _tile_stored(1, c[1], 64);
     }
     const __m512 d0 = _mm512_loadu_ps(g.d[0] + blk * kAmxTokens), sv = _mm512_loadu_ps(g.s + blk * kAmxTokens);
+    const __m512 ratio = kLevels > 1 ? _mm512_loadu_ps(g.d[1] + blk * kAmxTokens) : _mm512_setzero_ps();
     const float *dwb = dw + blk * kAmxRows, *mwb = mw + blk * kAmxRows;
     for (int r = 0; r < kAmxRows; ++r) {
-      const __m512 w = _mm512_set1_ps(dwb[r]);
-      const __m512 c0 = _mm512_cvtepi32_ps(_mm512_load_si512(c[0] + r * kAmxTokens));
-      acc[r] = _mm512_fmadd_ps(c0, _mm512_mul_ps(w, d0), acc[r]);
+      __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(c[0] + r * kAmxTokens));
+      if constexpr (kLevels > 1)
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + r * kAmxTokens)), ratio, sum);
+      acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(_mm512_set1_ps(dwb[r]), d0), acc[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mwb[r]), sv, acc[r]);
-    }
-    if (levels > 1) {
-      const __m512 d1 = _mm512_loadu_ps(g.d[1] + blk * kAmxTokens);
-      for (int r = 0; r < kAmxRows; ++r) {
-        const __m512 c1 = _mm512_cvtepi32_ps(_mm512_load_si512(c[1] + r * kAmxTokens));
-        acc[r] = _mm512_fmadd_ps(c1, _mm512_mul_ps(_mm512_set1_ps(dwb[r]), d1), acc[r]);
-      }
     }
   }
   alignas(64) float tmp[kAmxRows][kAmxTokens];
@@ -154,35 +201,21 @@ __attribute__((target("amx-tile"))) void amx_tiles_off() { _tile_release(); }
 void run_q4_amx(const uint8_t* codes, const float* scale, const float* min, int64_t group_size, const float* x,
                 int64_t M, int64_t K, int64_t N, float* out, const float* bias, int levels) {
   const int64_t panels = (N + kAmxRows - 1) / kAmxRows, nb = K / kActBlock;
+  const PackedActs acts(x, M, K, levels);
+  const int64_t block_groups = kAmxTokenBlock / kAmxTokens;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     amx_tiles_on();
     std::vector<uint8_t> a(nb * kTileBytes);
     std::vector<float> dw(nb * kAmxRows), mw(nb * kAmxRows);
-    for (int64_t m0 = 0; m0 < M; m0 += kAmxTokenBlock) {
-      const int64_t m1 = std::min(M, m0 + kAmxTokenBlock) - m0, ngroups = (m1 + kAmxTokens - 1) / kAmxTokens;
-      const ActsA8 q = quantize_acts(x + m0 * K, m1, K, levels);
-      std::vector<int8_t> bt(levels * ngroups * nb * kTileBytes);
-      std::vector<float> sc((levels + 1) * ngroups * nb * kAmxTokens);
-      std::vector<GroupTiles> groups(ngroups);
-      for (int64_t gi = 0; gi < ngroups; ++gi) {
-        GroupTiles& g = groups[gi];
-        float* base = sc.data() + gi * (levels + 1) * nb * kAmxTokens;
-        for (int l = 0; l < levels; ++l) {
-          int8_t* b = bt.data() + (gi * levels + l) * nb * kTileBytes;
-          pack_b(q, l, gi * kAmxTokens, m1, K, b);
-          pack_scales(q.d[l].data(), gi * kAmxTokens, m1, nb, base + l * nb * kAmxTokens);
-          g.b[l] = b, g.d[l] = base + l * nb * kAmxTokens;
-        }
-        pack_scales(q.s.data(), gi * kAmxTokens, m1, nb, base + levels * nb * kAmxTokens);
-        g.s = base + levels * nb * kAmxTokens;
-      }
+    for (int64_t g0 = 0; g0 < acts.groups(); g0 += block_groups) {   // a block's B tiles stay in L2
+      const int64_t g1 = std::min(acts.groups(), g0 + block_groups);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kAmxRows, rows = std::min<int64_t>(kAmxRows, N - n0);
         pack_a(codes, scale, min, K, group_size, n0, rows, a.data(), dw.data(), mw.data());
-        for (int64_t gi = 0; gi < ngroups; ++gi) {
-          const int64_t t0 = gi * kAmxTokens, tokens = std::min<int64_t>(kAmxTokens, m1 - t0);
-          amx_panel_group(a.data(), dw.data(), mw.data(), nb, levels, groups[gi], out + (m0 + t0) * N, N, n0, rows,
-                          tokens, bias);
+        for (int64_t gi = g0; gi < g1; ++gi) {
+          const int64_t t0 = gi * kAmxTokens, tokens = std::min<int64_t>(kAmxTokens, M - t0);
+          auto* run = levels > 1 ? &amx_panel_group<2> : &amx_panel_group<1>;
+          run(a.data(), dw.data(), mw.data(), nb, acts.group(gi), out + t0 * N, N, n0, rows, tokens, bias);
         }
       }
     }
