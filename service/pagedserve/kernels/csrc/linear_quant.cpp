@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "linear.hpp"
+#include "linear_fused512.hpp"
 #include "ops.h"
 
 namespace pagedserve::cpu {
@@ -132,6 +133,7 @@ template <bool kQ4, int T>
 void fused_rows(const uint8_t* codes, const float* scale, const float* min, int64_t K, int64_t group_size,
                 const float* x, const float* xsum, float* out, int64_t N, const float* bias) {
   const int64_t groups = K / group_size, row_bytes = kQ4 ? K / 2 : K;
+  auto* row_fn = fused512_enabled() ? &fused_row512<kQ4, T> : &fused_row<kQ4, T>;   // linear_fused512.hpp
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       if (n + kPrefetchRows < end) {   // software prefetch of a row ahead: codes, scales, mins (see below)
@@ -141,8 +143,8 @@ void fused_rows(const uint8_t* codes, const float* scale, const float* min, int6
         _mm_prefetch(reinterpret_cast<const char*>(scale + a * groups), _MM_HINT_T0);
         if constexpr (kQ4) _mm_prefetch(reinterpret_cast<const char*>(min + a * groups), _MM_HINT_T0);
       }
-      fused_row<kQ4, T>(codes + n * row_bytes, scale + n * groups, kQ4 ? min + n * groups : nullptr, K, group_size,
-                        x, xsum, out, N, n, bias);
+      row_fn(codes + n * row_bytes, scale + n * groups, kQ4 ? min + n * groups : nullptr, K, group_size, x, xsum,
+             out, N, n, bias);
     }
   });
 }
@@ -240,6 +242,14 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   run_row_tiles(Q8Rows{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), K, group_size}, x.data_ptr<float>(), M, K, N,
       out.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr);
   return out;
+}
+
+bool linear_avx512(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "mode must be -1 (query), 0 (off) or 1 (on where the CPU has AVX-512)");
+  if (mode >= 0)
+    fused512_enabled() = mode == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return fused512_enabled();
 }
 
 }  // namespace pagedserve::cpu

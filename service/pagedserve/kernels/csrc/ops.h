@@ -6,7 +6,8 @@
 //   cache_types.hpp    the KV cache's element types (float32 / float16 / bfloat16): dispatch, load, store
 //   linear.hpp         formats and paths of the linears, and the register tile they share
 //   linear_f32.cpp     linear_f32
-//   linear_quant.cpp   linear_q4, linear_q8
+//   linear_quant.cpp   linear_q4, linear_q8, linear_avx512 (the fused path's AVX-512 switch)
+//   linear_fused512.hpp the fused path (1-4 tokens) on AVX-512, runtime-dispatched
 //   linear_a8.hpp      int8 activations: quantization, 8-row weight panels, integer register tiles
 //   linear_a8_vnni.hpp the same tile on AVX-VNNI, runtime-dispatched
 //   linear_a8.cpp      linear_q4_a8, linear_q8_a8 (int8 activations, for prefill chunks), linear_a8_vnni
@@ -36,6 +37,7 @@ at::Tensor linear_q4_a8(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
                         const c10::optional<at::Tensor>& bias, int64_t levels);
 bool linear_a8_vnni(int64_t mode);
+bool linear_avx512(int64_t mode);
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                          int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels);
 bool linear_amx_available();

@@ -15,6 +15,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "-> Tensor");
   m.def("linear_q8_a8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias, int levels) -> Tensor");
   m.def("linear_a8_vnni(int mode) -> bool", &linear_a8_vnni);   // no tensors: a catch-all kernel
+  m.def("linear_avx512(int mode) -> bool", &linear_avx512);
   m.def("linear_q4_amx(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias, int levels) "
         "-> Tensor");
   m.def("linear_amx_available() -> bool", &linear_amx_available);
