@@ -198,3 +198,19 @@ class ServerProcess:
             if line.startswith("{") and json.loads(line).get("event") == event:
                 return json.loads(line)
         raise AssertionError(f"no {event!r} log line in {timeout_s}s:\n" + "".join(self.log[-30:]))
+
+
+def kernel_switch(switch, on: bool, what: str):
+    """Fixture body for a runtime-dispatched CPU kernel path: ``switch(mode)`` is its torch op (-1 query, 0 off, 1 on
+    where the CPU has it, returns whether it is on). Turns it ``on`` or off for the test, skips when the CPU lacks
+    ``what``, and restores the default after. Use as ``yield from kernel_switch(...)``."""
+    import pytest
+
+    default = switch(-1)
+    if switch(1 if on else 0) != on:
+        switch(1 if default else 0)
+        pytest.skip(f"the CPU lacks {what}")
+    try:
+        yield
+    finally:
+        switch(1 if default else 0)

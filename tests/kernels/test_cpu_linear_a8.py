@@ -22,6 +22,7 @@ from pagedserve.kernels.cpu_build import cpu_kernel_ops, unavailable_reason
 from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, StreamingInt4Linear, StreamingInt8Linear,
                                           use_int8_activations)
 from pagedserve.models.quant import Int8BlockWeight, quantize_int4, quantize_int8_per_channel
+from support import kernel_switch
 
 needs_kernels = pytest.mark.skipif(cpu_kernel_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
 
@@ -29,13 +30,7 @@ needs_kernels = pytest.mark.skipif(cpu_kernel_ops() is None, reason=f"CPU kernel
 @pytest.fixture(params=["avx2", "avx-vnni"])
 def isa(request):
     """Each tile: AVX2 (maddubs), and AVX-VNNI where the CPU has it (skipped elsewhere); restores the default."""
-    ops = torch.ops.pagedserve_cpu
-    default = ops.linear_a8_vnni(-1)
-    if ops.linear_a8_vnni(1 if request.param == "avx-vnni" else 0) != (request.param == "avx-vnni"):
-        ops.linear_a8_vnni(1 if default else 0)
-        pytest.skip("the CPU lacks AVX-VNNI")
-    yield request.param
-    ops.linear_a8_vnni(1 if default else 0)
+    yield from kernel_switch(torch.ops.pagedserve_cpu.linear_a8_vnni, request.param == "avx-vnni", "AVX-VNNI")
 
 TOKEN_COUNTS = [1, 3, 6, 17, 258]   # tile of 4: tails 1, 3, 2, 1; 258: two token blocks of 256
 EPS = torch.finfo(torch.float32).eps

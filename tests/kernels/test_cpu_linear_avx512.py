@@ -11,19 +11,14 @@ import torch.nn.functional as F
 from pagedserve.kernels.cpu_build import cpu_kernel_ops, unavailable_reason
 from pagedserve.models.cpu_linear import StreamingInt4Linear, StreamingInt8Linear
 from pagedserve.models.quant import Int8BlockWeight, quantize_int4, quantize_int8_per_channel
+from support import kernel_switch
 
 pytestmark = pytest.mark.skipif(cpu_kernel_ops() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
 
 
 @pytest.fixture(params=["avx2", "avx512"])
 def isa(request):
-    ops = torch.ops.pagedserve_cpu
-    default = ops.linear_avx512(-1)
-    if ops.linear_avx512(1 if request.param == "avx512" else 0) != (request.param == "avx512"):
-        ops.linear_avx512(1 if default else 0)
-        pytest.skip("the CPU lacks AVX-512")
-    yield request.param
-    ops.linear_avx512(1 if default else 0)
+    yield from kernel_switch(torch.ops.pagedserve_cpu.linear_avx512, request.param == "avx512", "AVX-512")
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> None:
