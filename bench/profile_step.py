@@ -23,6 +23,7 @@ import random
 import time
 
 import common
+from pagedserve.config import LINEAR_KERNELS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,8 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto")
     p.add_argument("--attention-backend", choices=["auto", "cpu", "torch"], default="auto",
                    help="auto: the CPU backend (decodes on the C++ kernel) where the kernels load")
-    p.add_argument("--linear-kernels", choices=["auto", "torch"], default="auto",
-                   help="pagedserve's CPU linear kernels (auto) or torch's")
+    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto",
+                   help="EngineConfig.linear_kernels: pagedserve's CPU linear kernels (auto: int8 activations on "
+                        "VNNI/AMX where the CPU has them; float-activations: float32 activations) or torch's")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     p.add_argument("--by-module", action="store_true",
                    help="also time the forward's parts: each linear shape, attention, norms (adds a little overhead)")

@@ -37,6 +37,43 @@ def test_matches_reference_backend(case):
     assert (got - ref).abs().max().item() < 1e-5
 
 
+SPLIT_CASES = [  # (context lens, heads, kv heads, head_dim, block size, cache dtype)
+    ([1000], 9, 3, 64, 16, torch.float32),          # one long request (the one-stream case): 4+ splits
+    ([700, 37], 9, 3, 64, 16, torch.float32),       # unequal lengths: the short one's later splits are empty
+    ([200], 4, 1, 32, 64, torch.float32),           # chunks rounded to 64-row blocks: 3 splits, the last empty
+    ([513, 64, 1], 8, 2, 128, 16, torch.bfloat16),  # head_dim 128, a bf16 cache
+]
+
+
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+def test_decode_kernel_context_splits_match_float64(case):
+    """Few requests with long contexts: the kernel cuts each context into splits (flash-decoding) and merges them.
+    Every split count (the kernel's choice, none, a cap of 3, 7) agrees with a float64 softmax over the gathered
+    context within float32 rounding."""
+    ctx, h, hkv, d, bs, dtype = SPLIT_CASES[case]
+    gen = torch.Generator().manual_seed(40 + case)
+    max_blocks = max(-(-c // bs) for c in ctx)
+    num_blocks = len(ctx) * max_blocks + 2
+    tables = torch.randperm(num_blocks, generator=gen)[:len(ctx) * max_blocks].view(len(ctx), max_blocks)
+    tables = tables.to(torch.int32).contiguous()
+    k_cache, v_cache = (torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(len(ctx), h, d, generator=gen) * 2
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    want = torch.empty(len(ctx), h, d, dtype=torch.float64)
+    for s, n in enumerate(ctx):
+        rows = tables[s].long()
+        k = k_cache[rows].reshape(-1, hkv, d)[:n].double().repeat_interleave(h // hkv, dim=1)   # [n, h, d]
+        v = v_cache[rows].reshape(-1, hkv, d)[:n].double().repeat_interleave(h // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].double(), k) * d ** -0.5, dim=-1)
+        want[s] = torch.einsum("hn,nhd->hd", p, v)
+    op = torch.ops.pagedserve_cpu.paged_decode_attention
+    for max_splits in (0, 1, 3, 7):
+        got = op(q, k_cache, v_cache, tables, lens, d ** -0.5, max_splits)
+        assert (got.double() - want).abs().max().item() < 2e-5, max_splits
+    with pytest.raises(RuntimeError, match="max_splits must be >= 0"):
+        op(q, k_cache, v_cache, tables, lens, 1.0, -1)
+
+
 def test_auto_picks_cpu_backend_and_torch_stays_reference():
     assert isinstance(select_attention_backend("auto", "cpu"), CpuAttentionBackend)
     assert type(select_attention_backend("torch", "cpu")) is TorchAttentionBackend

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedserve.kernels.cpu_build import cpu_kernel_ops
-from pagedserve.models.cpu_linear import (AMX_MIN_TOKENS, DQ_MIN_TOKENS, StreamingInt4Linear, StreamingInt8Linear,
-                                          amx_available)
+from pagedserve.models.cpu_linear import (AMX_MIN_TOKENS, DQ_MIN_TOKENS, VNNI_MAX_TOKENS, StreamingInt4Linear,
+                                          StreamingInt8Linear, amx_available, vnni_available)
 from pagedserve.models.quant import (Int4Linear, Int4Weight, Int8BlockWeight, Int8Linear, quantize_int4,
                                      quantize_int8_per_channel)
 
@@ -139,25 +139,30 @@ def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(top1), torch.cat(nll)
 
 
-@pytest.mark.parametrize("path", ["as built", "int8 x2", "dq gemm"])
+@pytest.mark.parametrize("path", ["as built", "int8 x2", "dq gemm", "vnni x2"])
 def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     """2,000 tokens of a fixed text: top-1 agrees with the dequantized fp32 model on >= 99% of positions and the
     perplexity is within 1%. One prefill, so the long-chunk path runs: "as built" the defaults (two-level int8
     activations on AMX tiles where the CPU has AMX-INT8, else the float32 GEMM of the decoded weights); "int8 x2"
-    the own two-level int8 kernel (AMX and GEMM paths off); "dq gemm" the GEMM path (AMX off)."""
-    from pagedserve.models.cpu_linear import use_amx, use_dequantized_gemm
+    the own two-level int8 kernel (AMX and GEMM paths off); "dq gemm" the GEMM path (AMX off); "vnni x2" every call
+    on the decode kernel (linear_q4_vnni, two levels: what decode steps run where the CPU has AVX-512 VNNI)."""
+    from pagedserve.models.cpu_linear import use_amx, use_dequantized_gemm, use_vnni, vnni_available
 
     model, tokenizer, _ = llm_parts
     ids = _fixed_text_ids(tokenizer)
     if path != "as built" and not llm_int4.a8_min_tokens:
         pytest.skip("the own CPU kernels did not load: no int8 activations, no GEMM path")
+    if path == "vnni x2" and not vnni_available():
+        pytest.skip("the CPU lacks AVX-512 VNNI")
     use_amx(llm_int4, llm_int4.amx_min_tokens if path == "as built" else 0)
-    use_dequantized_gemm(llm_int4, 0 if path == "int8 x2" else llm_int4.dq_min_tokens)
+    use_dequantized_gemm(llm_int4, 0 if path in ("int8 x2", "vnni x2") else llm_int4.dq_min_tokens)
+    use_vnni(llm_int4, {"as built": llm_int4.vnni_max_tokens, "vnni x2": 1 << 20}.get(path, 0))
     try:
         top_q, nll_q = _teacher_forced(llm_int4, ids)
     finally:
         use_amx(llm_int4, llm_int4.amx_min_tokens)
         use_dequantized_gemm(llm_int4, llm_int4.dq_min_tokens)
+        use_vnni(llm_int4, llm_int4.vnni_max_tokens)
     top_f, nll_f = _teacher_forced(model, ids)
     agree = (top_q == top_f).float().mean().item()
     ppl_q, ppl_f = nll_q.mean().exp().item(), nll_f.mean().exp().item()
@@ -202,21 +207,29 @@ import gguf, transformers, tqdm.auto
 src = ModelSource.resolve(None); cfg = src.load_config()
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
 before = rss()
-model = build_model(src, cfg, torch.float32, "cpu", quantization=sys.argv[1])
-print(json.dumps({"rss_bytes": rss() - before, "quantization": model.quantization}))
+model = build_model(src, cfg, torch.float32, "cpu", quantization=sys.argv[1], linear_kernels=sys.argv[2])
+print(json.dumps({"rss_bytes": rss() - before, "quantization": model.quantization,
+                  "vnni": getattr(model, "vnni_max_tokens", 0)}))
 """
 
 
 def test_weight_memory_at_most_40_percent_of_fp32():
-    """RSS grown by loading the model (fresh processes, libraries imported first): int4 <= 40% of fp32's."""
+    """RSS grown by loading the model (fresh processes, libraries imported first): int4 as stored <= 40% of fp32's
+    ("float-activations": no second copy); the defaults, which on an AVX-512 VNNI CPU add the int4 layers' decode
+    panels (a repacked copy of their codes and scales, cpu_linear.use_vnni), <= 50%."""
     got = {}
-    for q in ("none", "auto"):
-        out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, q], capture_output=True, text=True, check=True)
-        got[q] = json.loads(out.stdout.strip().splitlines()[-1])
-    ratio = got["auto"]["rss_bytes"] / got["none"]["rss_bytes"]
-    print(f"\nRSS after load: fp32 {got['none']['rss_bytes'] / 2**20:.0f} MiB, "
-          f"{got['auto']['quantization']}: {got['auto']['rss_bytes'] / 2**20:.0f} MiB ({ratio:.2f}x)")
-    assert ratio <= 0.40
+    for q, kernels in (("none", "auto"), ("auto", "float-activations"), ("auto", "auto")):
+        out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, q, kernels], capture_output=True, text=True,
+                             check=True)
+        got[q, kernels] = json.loads(out.stdout.strip().splitlines()[-1])
+    fp32 = got["none", "auto"]["rss_bytes"]
+    stored, default = got["auto", "float-activations"], got["auto", "auto"]
+    print(f"\nRSS after load: fp32 {fp32 / 2**20:.0f} MiB, {stored['quantization']}: "
+          f"{stored['rss_bytes'] / 2**20:.0f} MiB ({stored['rss_bytes'] / fp32:.2f}x); with the defaults (VNNI "
+          f"panels {'on' if default['vnni'] else 'off'}): {default['rss_bytes'] / 2**20:.0f} MiB "
+          f"({default['rss_bytes'] / fp32:.2f}x)")
+    assert stored["vnni"] == 0 and stored["rss_bytes"] / fp32 <= 0.40
+    assert default["rss_bytes"] / fp32 <= (0.50 if default["vnni"] else 0.40)
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +267,9 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels)
     assert model.dq_min_tokens == (DQ_MIN_TOKENS if own and kernels in ("auto", "float-activations") else 0)
     amx = own and scheme == "int4" and kernels in ("auto", "int8-activations") and amx_available()
     assert model.amx_min_tokens == (AMX_MIN_TOKENS if amx else 0)
+    vnni = own and scheme == "int4" and kernels in ("auto", "int8-activations") and vnni_available()
+    assert model.vnni_max_tokens == (VNNI_MAX_TOKENS if vnni else 0)
+    assert (model.layers[0].mlp.down_proj.vnni_panels is not None) == vnni if own and scheme == "int4" else True
     if levels:
         assert model.layers[0].mlp.down_proj.a8_levels == levels
     linear = {(True, "int4"): StreamingInt4Linear, (True, "int8"): StreamingInt8Linear,

@@ -40,6 +40,12 @@ on AMX tiles instead (``csrc/linear_amx.cpp``): the same quantization and the sa
 (one level bit for bit, two up to float32 summation order), a 16 x 16 x 32 integer block per instruction; this
 comes before the GEMM path. int8 layers have no AMX kernel and keep the paths above.
 
+Where the CPU has AVX-512 VNNI (``vnni_max_tokens`` > 0, set by :func:`use_vnni`, up to :data:`VNNI_MAX_TOKENS`
+tokens for ``"auto"`` and ``"int8-activations"``), calls of a few tokens (decode steps, short chunks) of the int4
+layers run ``linear_q4_vnni`` (``csrc/linear_vnni.cpp``): int8 activations as above (``a8_levels``; one level bit
+for bit ``linear_q4_a8``'s result) against a copy of the weight repacked once into 16-row panels, one VPDPBUSD per
+4 weights x 16 rows. The copy costs the layer's codes and scales once more (the embedded model: about 80 MB).
+
 :func:`use_cpu_kernels` swaps a loaded model's float32 ``nn.Linear`` leaves; the quantized layers are built directly
 by :mod:`.quant_load` when its plan says so.
 """
@@ -75,6 +81,12 @@ DQ_CHOICES = ("auto", "float-activations")   # linear_kernels choices that take 
 # 5.04, M=1024 15.7 vs 17.4; 576 x 1536 M=64 0.50 vs 0.91, M=256 1.73 vs 2.49, M=1024 6.9 vs 8.8.
 AMX_MIN_TOKENS = 16
 AMX_CHOICES = ("auto", "int8-activations")
+# Tokens up to which "auto" / "int8-activations" run the int4 layers on linear_q4_vnni (int8 activations, 16-row
+# panels packed at load, AVX-512 VNNI) where the CPU has it; it comes before every other path. 3072 x 576, two
+# levels, 2 threads, same process, us per call: M=1 16.6 vs 59.1 float activations (linear_q4); M=16 128 vs AMX 203;
+# M=32 250 vs AMX 293; M=64 498 vs AMX 439 (bench/README.md, "Decode on AVX-512 VNNI").
+VNNI_MAX_TOKENS = 32
+VNNI_CHOICES = AMX_CHOICES
 
 
 def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
@@ -156,14 +168,28 @@ class StreamingInt4Linear(nn.Module):
         self.register_buffer("mins", (weight.zeros - 8.0 * weight.scales).to(torch.float32).contiguous())
         self.bias = _bias(bias)
         self.a8_min_tokens, self.a8_levels, self.dq_min_tokens, self.amx_min_tokens = 0, 2, 0, 0
+        self.vnni_max_tokens, self.vnni_panels = 0, None
 
     def dequantize(self) -> torch.Tensor:
         """The weight decoded to float32 ``[N, K]`` (``q * scale + min``, one FMA each)."""
         return torch.ops.pagedserve_cpu.dequantize_q4(self.codes, self.scales, self.mins, self.group_size)
 
+    def set_vnni(self, max_tokens: int) -> None:
+        """Calls of up to ``max_tokens`` tokens run ``linear_q4_vnni`` (0: never; the packed copy is dropped). The
+        first call with ``max_tokens`` > 0 packs the weight (``pack_q4_vnni``: codes uint8 ``[ceil(N / 16),
+        K // 32 * 256]``, scales and mins float32 ``[ceil(N / 16), K // 32 * 16]``)."""
+        if max_tokens and self.vnni_panels is None:
+            self.vnni_panels = tuple(torch.ops.pagedserve_cpu.pack_q4_vnni(self.codes, self.scales, self.mins,
+                                                                            self.group_size))
+        elif not max_tokens:
+            self.vnni_panels = None
+        self.vnni_max_tokens = max_tokens
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
         rows = _rows(x, self.in_features)
+        if rows.shape[0] <= self.vnni_max_tokens:
+            return _like(ops.linear_q4_vnni(rows, *self.vnni_panels, self.out_features, self.bias, self.a8_levels), x)
         args = (rows, self.codes, self.scales, self.mins, self.group_size, self.bias)
         if _takes(rows, self.in_features, self.amx_min_tokens):
             return _like(ops.linear_q4_amx(*args, self.a8_levels), x)
@@ -303,5 +329,32 @@ def use_amx(model: nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> int:
     for module in model.modules():
         if isinstance(module, StreamingInt4Linear) and module.in_features % 32 == 0 and module.group_size % 32 == 0:
             module.amx_min_tokens = min_tokens
+            count += 1
+    return count
+
+
+def vnni_available() -> bool:
+    """Whether ``linear_q4_vnni`` runs here: the own kernels loaded, and the CPU has AVX-512 F/BW/VL/VNNI."""
+    return cpu_kernel_ops() is not None and bool(torch.ops.pagedserve_cpu.linear_vnni_available())
+
+
+def use_vnni(model: nn.Module, max_tokens: int = VNNI_MAX_TOKENS) -> int:
+    """Set ``vnni_max_tokens = max_tokens`` (0: off, the packed copies dropped) on every :class:`StreamingInt4Linear`
+    of ``model`` whose K and group size are multiples of 32, packing each weight on first use (:meth:`set_vnni`):
+    calls of up to that many tokens run ``linear_q4_vnni`` with the layer's ``a8_levels``. Returns how many layers
+    were set.
+
+    Raises:
+        ValueError: a negative ``max_tokens``.
+        RuntimeError: ``max_tokens`` > 0 where :func:`vnni_available` is false.
+    """
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens: must be >= 0, got {max_tokens}")
+    if max_tokens and not vnni_available():
+        raise RuntimeError("AVX-512 VNNI is not available on this CPU (or the kernels did not load)")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, StreamingInt4Linear) and module.in_features % 32 == 0 and module.group_size % 32 == 0:
+            module.set_vnni(max_tokens)
             count += 1
     return count

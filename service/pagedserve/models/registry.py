@@ -38,13 +38,15 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     activations always (the GEMM path too); "torch" torch's kernels. The model's ``linear_kernels`` attribute says
     which ran, ``a8_min_tokens`` from how many tokens int8 activations are used (0: never), ``a8_levels`` with how
     many levels, ``dq_min_tokens`` from how many tokens the GEMM path is taken and ``amx_min_tokens`` from how many
-    the int4 layers run their int8 activations on AMX tiles where the CPU has AMX-INT8 (0: never).
+    the int4 layers run their int8 activations on AMX tiles where the CPU has AMX-INT8 (0: never);
+    ``vnni_max_tokens`` up to how many tokens the int4 layers run on the AVX-512 VNNI panels (0: never).
 
     Raises:
         ValueError: for an architecture not in :data:`MODEL_REGISTRY`, a checkpoint that does not fit it, or an
             unknown ``quantization``.
     """
     from .cpu_linear import (A8_LEVELS, A8_MIN_TOKENS, AMX_CHOICES, AMX_MIN_TOKENS, DQ_CHOICES, DQ_MIN_TOKENS,
+                             VNNI_CHOICES, VNNI_MAX_TOKENS, use_vnni, vnni_available,
                              amx_available, cpu_kernels_enabled, use_amx, use_cpu_kernels, use_dequantized_gemm,
                              use_int8_activations)
     from .quant_load import QuantPlan, prepare_model, resolve_scheme
@@ -69,7 +71,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     model = model.to(device).eval()
     model.requires_grad_(False)
     model.linear_kernels, model.a8_min_tokens, model.a8_levels, model.dq_min_tokens = "torch", 0, 0, 0
-    model.amx_min_tokens = 0
+    model.amx_min_tokens = model.vnni_max_tokens = 0
     if own_kernels:
         use_cpu_kernels(model)
         model.linear_kernels = "pagedserve-cpu"
@@ -80,6 +82,8 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
             model.dq_min_tokens = DQ_MIN_TOKENS
         if linear_kernels in AMX_CHOICES and amx_available() and use_amx(model, AMX_MIN_TOKENS):
             model.amx_min_tokens = AMX_MIN_TOKENS
+        if linear_kernels in VNNI_CHOICES and vnni_available() and use_vnni(model, VNNI_MAX_TOKENS):
+            model.vnni_max_tokens = VNNI_MAX_TOKENS
 
     release_freed_heap()
     return model

@@ -10,99 +10,154 @@
 
 // Paged decode attention: one query token per sequence against its whole context in the paged KV cache, read in
 // place through the block table (no gather). out[s, h] = softmax(scale * q[s, h] . K[s, :, h / G]) V[s, :, h / G]
-// with G = H / Hkv query heads per KV head (GQA). Work item: (sequence, query head), so that even one sequence
-// spreads over the threads; the G heads of one KV head are adjacent items, so a thread mostly reads a K/V row
-// from L1/L2 after its first head. Scores go to a per-thread buffer [context]; softmax in float32 with the row
-// maximum subtracted (exp8). Context rows are walked a cache block at a time (no per-token division).
+// with G = H / Hkv query heads per KV head (GQA).
+//
+// Work item: (sequence, KV head, context split). The G query heads of a KV head are computed together, a few cache
+// rows at a time, so each K/V row comes from memory once per step and is reused from L1 by the other G - 1 heads.
+// When there are fewer (sequence, KV head) pairs than a few per thread (one or two long requests), each context is
+// cut into splits (flash-decoding, Dao et al. 2023): every split gives per head its score maximum m, its sum of
+// exp(score - m) l and the unnormalised output o = sum exp(score - m) v, and a second pass merges the splits:
+// out = sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p with M = max_p m_p. Softmax in float32 (exp8).
 
 namespace pagedserve::cpu {
 namespace {
+
+constexpr int64_t kMinSplitTokens = 64;   // a split shorter than this costs more in merging than it balances
 
 template <class C>
 struct DecodeArgs {
   const float* q;
   const C *k, *v;
   const int32_t *tables, *lens;
-  float* out;
   int64_t H, Hkv, D, block_size, max_blocks;
   float scale;
 };
 
-// One (sequence s, query head h); DV = D / 8 vectors per row (DV = 0: D read at run time); C the cache type.
-template <int DV, class C>
-void decode_head(const DecodeArgs<C>& a, int64_t s, int64_t h, std::vector<float>& scores) {
-  const int64_t D = DV ? DV * 8 : a.D, nv = D / 8, len = a.lens[s], G = a.H / a.Hkv, kvh = h / G;
-  const int64_t row_stride = a.Hkv * D, bs = a.block_size;
+// Walks the cache rows [t_lo, t_hi) of sequence s and KV head kvh a block run at a time: f(first row, rows, offset
+// of the run from t_lo); consecutive rows of a run are row_stride = Hkv * D elements apart.
+template <class C, class F>
+inline void for_each_run(const DecodeArgs<C>& a, const C* cache, int64_t s, int64_t kvh, int64_t t_lo, int64_t t_hi,
+                         F&& f) {
   const int32_t* table = a.tables + s * a.max_blocks;
-  const float* qh = a.q + (s * a.H + h) * D;
-  scores.resize(len);
-  float* row = scores.data();
-  for (int64_t t0 = 0; t0 < len; t0 += bs) {
-    const C* k0 = a.k + (static_cast<int64_t>(table[t0 / bs]) * bs * a.Hkv + kvh) * D;
-    const int64_t n = std::min(bs, len - t0);
+  const int64_t bs = a.block_size;
+  for (int64_t t = t_lo; t < t_hi;) {
+    const int64_t off = t % bs, n = std::min(bs - off, t_hi - t);
+    f(cache + ((static_cast<int64_t>(table[t / bs]) * bs + off) * a.Hkv + kvh) * a.D, n, t - t_lo);
+    t += n;
+  }
+}
+
+// The G = H / Hkv heads of KV head kvh of sequence s over context rows [t_lo, t_hi) (non-empty): m[g], l[g] and the
+// unnormalised o[g * D : (g + 1) * D]. DV = D / 8 vectors per row (DV = 0: D read at run time); C the cache type.
+// scores: scratch, resized to G * (t_hi - t_lo).
+template <int DV, class C>
+void decode_group(const DecodeArgs<C>& a, int64_t s, int64_t kvh, int64_t t_lo, int64_t t_hi,
+                  std::vector<float>& scores, float* o, float* m, float* l) {
+  const int64_t D = DV ? DV * 8 : a.D, nv = D / 8, G = a.H / a.Hkv, n_ctx = t_hi - t_lo;
+  const int64_t row_stride = a.Hkv * D;
+  const float* q0 = a.q + (s * a.H + kvh * G) * D;
+  scores.resize(G * n_ctx);
+  float* sc = scores.data();
+  const __m128 scale4 = _mm_set1_ps(a.scale);
+  for_each_run(a, a.k, s, kvh, t_lo, t_hi, [&](const C* k0, int64_t n, int64_t at) {
     int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {       // four tokens at a time: one reduction for four scores
+    for (; i + 4 <= n; i += 4) {   // four rows at a time (one reduction for four scores), every head on them
       const C* kr = k0 + i * row_stride;
-      __m256 acc[4];
-      for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < nv; ++d) {
-        const __m256 qv = _mm256_loadu_ps(qh + 8 * d);
-        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(kr + j * row_stride + 8 * d), acc[j]);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qh = q0 + g * D;
+        __m256 acc[4];
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < nv; ++d) {
+          const __m256 qv = _mm256_loadu_ps(qh + 8 * d);
+          for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(kr + j * row_stride + 8 * d), acc[j]);
+        }
+        _mm_storeu_ps(sc + g * n_ctx + at + i, _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), scale4));
       }
-      _mm_storeu_ps(row + t0 + i, _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(a.scale)));
     }
     for (; i < n; ++i) {
       const C* kr = k0 + i * row_stride;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < nv; ++d) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), load8(kr + 8 * d), acc);
-      row[t0 + i] = hsum(acc) * a.scale;
-    }
-  }
-  __m256 mx8 = _mm256_set1_ps(-INFINITY);
-  int64_t t = 0;
-  for (; t + 8 <= len; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(row + t));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mx8);
-  float mx = *std::max_element(lanes, lanes + 8);
-  for (; t < len; ++t) mx = std::max(mx, row[t]);
-  const __m256 mxv = _mm256_set1_ps(mx);
-  __m256 sum8 = _mm256_setzero_ps();
-  for (t = 0; t + 8 <= len; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), mxv));
-    _mm256_storeu_ps(row + t, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  float sum = hsum(sum8);
-  for (; t < len; ++t) {
-    row[t] = std::exp(row[t] - mx);
-    sum += row[t];
-  }
-  const __m256 inv = _mm256_set1_ps(1.0f / sum);
-  float* o = a.out + (s * a.H + h) * D;
-  for (int64_t d0 = 0; d0 < nv; d0 += 8) {   // the output in chunks of up to 8 vectors held in registers
-    const int64_t m = std::min<int64_t>(8, nv - d0);
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t u0 = 0; u0 < len; u0 += bs) {
-      const C* vr = a.v + (static_cast<int64_t>(table[u0 / bs]) * bs * a.Hkv + kvh) * D + 8 * d0;
-      const int64_t n = std::min(bs, len - u0);
-      for (int64_t i = 0; i < n; ++i, vr += row_stride) {
-        const __m256 p = _mm256_set1_ps(row[u0 + i]);
-        if (DV == 8) {
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, load8(vr + 8 * j), acc[j]);
-        } else {
-          for (int j = 0; j < m; ++j) acc[j] = _mm256_fmadd_ps(p, load8(vr + 8 * j), acc[j]);
-        }
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qh = q0 + g * D;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < nv; ++d) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), load8(kr + 8 * d), acc);
+        sc[g * n_ctx + at + i] = hsum(acc) * a.scale;
       }
     }
-    for (int j = 0; j < m; ++j) _mm256_storeu_ps(o + 8 * (d0 + j), _mm256_mul_ps(acc[j], inv));
+  });
+  for (int64_t g = 0; g < G; ++g) {   // softmax numerators in place: exp(score - m)
+    float* row = sc + g * n_ctx;
+    __m256 mx8 = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n_ctx; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(row + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx8);
+    float mx = *std::max_element(lanes, lanes + 8);
+    for (; t < n_ctx; ++t) mx = std::max(mx, row[t]);
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n_ctx; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), mxv));
+      _mm256_storeu_ps(row + t, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum(sum8);
+    for (; t < n_ctx; ++t) {
+      row[t] = std::exp(row[t] - mx);
+      sum += row[t];
+    }
+    m[g] = mx;
+    l[g] = sum;
   }
+  std::fill_n(o, G * D, 0.0f);
+  for_each_run(a, a.v, s, kvh, t_lo, t_hi, [&](const C* v0, int64_t n, int64_t at) {
+    for (int64_t g = 0; g < G; ++g) {   // the run's V rows (at most a block) stay in L1 across the heads
+      const float* p = sc + g * n_ctx + at;
+      float* og = o + g * D;
+      for (int64_t d0 = 0; d0 < nv; d0 += 8) {   // up to 8 output vectors in registers
+        const int64_t mv = std::min<int64_t>(8, nv - d0);
+        __m256 acc[8];
+        for (int j = 0; j < mv; ++j) acc[j] = _mm256_loadu_ps(og + 8 * (d0 + j));
+        const C* vr = v0 + 8 * d0;
+        for (int64_t i = 0; i < n; ++i, vr += row_stride) {
+          const __m256 pv = _mm256_set1_ps(p[i]);
+          if (DV == 8) {
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(pv, load8(vr + 8 * j), acc[j]);
+          } else {
+            for (int j = 0; j < mv; ++j) acc[j] = _mm256_fmadd_ps(pv, load8(vr + 8 * j), acc[j]);
+          }
+        }
+        for (int j = 0; j < mv; ++j) _mm256_storeu_ps(og + 8 * (d0 + j), acc[j]);
+      }
+    }
+  });
+}
+
+template <class C>
+void decode_group_dispatch(const DecodeArgs<C>& a, int64_t s, int64_t kvh, int64_t t_lo, int64_t t_hi,
+                           std::vector<float>& scores, float* o, float* m, float* l) {
+  if (a.D == 64) decode_group<8>(a, s, kvh, t_lo, t_hi, scores, o, m, l);
+  else if (a.D == 128) decode_group<16>(a, s, kvh, t_lo, t_hi, scores, o, m, l);
+  else decode_group<0>(a, s, kvh, t_lo, t_hi, scores, o, m, l);
+}
+
+// Splits per context: 1 when the (sequence, KV head) pairs already give each thread several items; otherwise enough
+// that the items divide evenly over the threads, at least kMinSplitTokens rows each. max_splits > 0 caps it.
+int64_t choose_splits(int64_t pairs, int64_t max_len, int64_t threads, int64_t max_splits) {
+  const int64_t by_len = std::max<int64_t>(1, max_len / kMinSplitTokens);
+  int64_t p = 1;
+  if (pairs < 4 * threads) {
+    p = (4 * threads + pairs - 1) / pairs;
+    for (int64_t extra = 0; extra < threads && (pairs * p) % threads; ++extra) ++p;
+  }
+  p = std::min(p, by_len);
+  return max_splits > 0 ? std::min(p, max_splits) : p;
 }
 
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t max_splits) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [S, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && is_cache_type(k_cache.scalar_type()) && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
@@ -117,6 +172,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) == S && context_lens.size(0) == S, "one block table row and length per sequence");
+  TORCH_CHECK(max_splits >= 0, "max_splits must be >= 0 (0: chosen by the kernel)");
   const at::Tensor lens_tensor = context_lens.contiguous();   // kept alive: lens points into it
   const int32_t* lens = lens_tensor.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -128,18 +184,64 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   "block id out of range for sequence ", s);
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < S; ++s) max_len = std::max<int64_t>(max_len, lens[s]);
+  const int64_t G = H / Hkv, pairs = S * Hkv;
+  const int64_t P = choose_splits(pairs, max_len, at::get_num_threads(), max_splits);
+  // With P > 1, split p of a context of len rows covers [p * chunk, min(len, (p + 1) * chunk)), chunk = ceil(len / P)
+  // rounded up to whole cache blocks; a split past the end is empty (l = 0) and drops out of the merge.
+  std::vector<float> partial(P > 1 ? pairs * P * G * (D + 2) : 0);
   AT_DISPATCH_SWITCH(k_cache.scalar_type(), "paged_decode_attention", PAGEDSERVE_CACHE_TYPE_CASES([&] {
     const DecodeArgs<scalar_t> args{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                    tables, lens, out.data_ptr<float>(), H, Hkv, D, block_size, max_blocks,
-                                    static_cast<float>(scale)};
-    at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
+                                    tables, lens, H, Hkv, D, block_size, max_blocks, static_cast<float>(scale)};
+    float* out_p = out.data_ptr<float>();
+    at::parallel_for(0, pairs * P, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, o(P > 1 ? 0 : G * D), ml(P > 1 ? 0 : 2 * G);
       for (int64_t item = begin; item < end; ++item) {
-        if (D == 64) decode_head<8>(args, item / H, item % H, scores);
-        else if (D == 128) decode_head<16>(args, item / H, item % H, scores);
-        else decode_head<0>(args, item / H, item % H, scores);
+        const int64_t pair = item / P, p = item % P, s = pair / Hkv, kvh = pair % Hkv, len = lens[s];
+        if (P == 1) {
+          decode_group_dispatch(args, s, kvh, 0, len, scores, o.data(), ml.data(), ml.data() + G);
+          for (int64_t g = 0; g < G; ++g) {
+            const float inv = 1.0f / ml[G + g];
+            float* dst = out_p + (s * H + kvh * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = o[g * D + d] * inv;
+          }
+          continue;
+        }
+        float* rec = partial.data() + item * G * (D + 2);   // [m (G), l (G), o (G x D)]
+        const int64_t chunk = ((len + P - 1) / P + block_size - 1) / block_size * block_size;
+        const int64_t lo = std::min(len, p * chunk), hi = std::min(len, lo + chunk);
+        if (lo == hi) {
+          std::fill_n(rec, G, -INFINITY);
+          std::fill_n(rec + G, G, 0.0f);
+          continue;
+        }
+        decode_group_dispatch(args, s, kvh, lo, hi, scores, rec + 2 * G, rec, rec + G);
       }
     });
+    if (P > 1) {
+      at::parallel_for(0, S * H, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t sh = begin; sh < end; ++sh) {
+          const int64_t s = sh / H, h = sh % H, kvh = h / G, g = h % G;
+          const float* base = partial.data() + (s * Hkv + kvh) * P * G * (D + 2);
+          float mx = -INFINITY;
+          for (int64_t p = 0; p < P; ++p) mx = std::max(mx, base[p * G * (D + 2) + g]);
+          float denom = 0.0f;
+          float* dst = out_p + sh * D;
+          std::fill_n(dst, D, 0.0f);
+          for (int64_t p = 0; p < P; ++p) {
+            const float* rec = base + p * G * (D + 2);
+            if (rec[G + g] == 0.0f) continue;   // an empty split
+            const float w = std::exp(rec[g] - mx);
+            denom += w * rec[G + g];
+            const float* op = rec + 2 * G + g * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] += w * op[d];
+          }
+          const float inv = 1.0f / denom;
+          for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+        }
+      });
+    }
   }));
   return out;
 }

@@ -12,6 +12,7 @@
 //   linear_a8_vnni.hpp the same tile on AVX-VNNI, runtime-dispatched
 //   linear_a8.cpp      linear_q4_a8, linear_q8_a8 (int8 activations, for prefill chunks), linear_a8_vnni
 //   linear_amx.cpp     linear_q4_amx (linear_q4_a8's function on AMX tiles), linear_amx_available
+//   linear_vnni.cpp    pack_q4_vnni, linear_q4_vnni (int8 activations at decode on AVX-512 VNNI, 16-row panels)
 //   dequant.cpp        dequantize_q4, dequantize_q8 (weights to float32 for the BLAS GEMM of long prefill chunks)
 //   attention.cpp      paged_decode_attention
 //   cache.cpp          reshape_and_cache (KV write)
@@ -41,12 +42,18 @@ bool linear_avx512(int64_t mode);
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                          int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels);
 bool linear_amx_available();
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_vnni(const at::Tensor& codes, const at::Tensor& scale,
+                                                            const at::Tensor& min, int64_t group_size);
+at::Tensor linear_q4_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dw, const at::Tensor& mw,
+                          int64_t N, const c10::optional<at::Tensor>& bias, int64_t levels);
+bool linear_vnni_available();
 at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                          int64_t group_size);
 at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size);
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t max_splits = 0);
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& slot_mapping);

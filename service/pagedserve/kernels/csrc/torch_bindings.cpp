@@ -7,7 +7,7 @@ using namespace pagedserve::cpu;
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, int max_splits=0) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
@@ -19,6 +19,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("linear_q4_amx(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias, int levels) "
         "-> Tensor");
   m.def("linear_amx_available() -> bool", &linear_amx_available);
+  m.def("pack_q4_vnni(Tensor codes, Tensor scale, Tensor min, int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def("linear_q4_vnni(Tensor x, Tensor packed, Tensor dw, Tensor mw, int N, Tensor? bias, int levels) -> Tensor");
+  m.def("linear_vnni_available() -> bool", &linear_vnni_available);
   m.def("dequantize_q4(Tensor codes, Tensor scale, Tensor min, int group_size) -> Tensor");
   m.def("dequantize_q8(Tensor codes, Tensor scale, int group_size) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
@@ -35,6 +38,8 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("linear_q4_a8", &linear_q4_a8);
   m.impl("linear_q8_a8", &linear_q8_a8);
   m.impl("linear_q4_amx", &linear_q4_amx);
+  m.impl("pack_q4_vnni", &pack_q4_vnni);
+  m.impl("linear_q4_vnni", &linear_q4_vnni);
   m.impl("dequantize_q4", &dequantize_q4);
   m.impl("dequantize_q8", &dequantize_q8);
   m.impl("paged_decode_attention", &paged_decode_attention);

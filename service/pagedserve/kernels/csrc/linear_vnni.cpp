@@ -1,0 +1,183 @@
+// linear_q4_vnni: the int4 linears at decode (a few tokens) with int8 activations and AVX-512 VNNI integer dot
+// products, on weights repacked once at load into 16-row panels (pack_q4_vnni). linear_q4_a8's function (the
+// activations quantized per token in blocks of 32, one or two levels, linear_a8.hpp; the q4 min term from the
+// activations' block sums), with the rows in the 16 int32 lanes of a zmm register, so one VPDPBUSD does 4 weights x
+// 16 rows against 4 activation bytes broadcast, and a block's float work (convert, scale, min term) is 3 instructions
+// for 16 rows. The fused float path (linear_quant.cpp, linear_fused512.hpp) decodes every weight to float32 and
+// spends about 9 instructions per 32 weights per token; this one about 30 per 512 weights.
+//
+// Packed format, per panel p of rows 16p..16p+15 (rows past N have zero codes, scale and min):
+//   packed uint8 [P, K / 32 * 256]: block b (32 weights along k), quarter j (8 weights), row r, byte q (0..3): low
+//          nibble = code of (row, k = 32b + 8j + q), high nibble = code of (row, k = 32b + 8j + 4 + q); one quarter of
+//          the panel is one 64-byte vector whose low nibbles are a 4-byte step for each of the 16 rows, and high
+//          nibbles the next step;
+//   dw, mw float32 [P, K / 32 * 16]: scale and min of block b for the 16 rows (a group of 64 or 128 repeats).
+// Runtime-dispatched: the build targets AVX2 and the functions below are compiled for AVX-512 VNNI (target attributes),
+// used only where the CPU reports AVX-512F/BW/VL/VNNI (linear_vnni_available).
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "linear.hpp"
+#include "linear_a8.hpp"
+#include "ops.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+constexpr int64_t kVnniRows = 16;                     // rows per panel: one per int32 lane
+constexpr int64_t kVnniBlockBytes = kVnniRows * 16;   // a block of 32 weights x 16 rows, two codes a byte
+constexpr int kVnniTokens = 4;                        // tokens per register tile
+
+#define PAGEDSERVE_VNNI512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// acc[t] (lane r: row r of the panel) += the panel's dot products with token t's activations, every block, L levels.
+// a[l]: level l's int8 row of token 0 (tokens K apart); d[l]: its block scales, s the block sums (tokens nb apart).
+template <int T, int L>
+PAGEDSERVE_VNNI512 __attribute__((noinline)) void panel_tile(const uint8_t* codes, const float* dw, const float* mw,
+                                                             int64_t nb, const int8_t* const* a, int64_t K,
+                                                             const float* const* d, const float* s, __m512 acc[T]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i isum[L][T];
+    for (int l = 0; l < L; ++l)
+      for (int t = 0; t < T; ++t) isum[l][t] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(codes + b * kVnniBlockBytes + 64 * j);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int l = 0; l < L; ++l)
+        for (int t = 0; t < T; ++t) {
+          const int8_t* ap = a[l] + t * K + b * kActBlock + 8 * j;
+          isum[l][t] = _mm512_dpbusd_epi32(isum[l][t], lo, _mm512_set1_epi32(load_i32(ap)));
+          isum[l][t] = _mm512_dpbusd_epi32(isum[l][t], hi, _mm512_set1_epi32(load_i32(ap + 4)));
+        }
+    }
+    const __m512 dwb = _mm512_loadu_ps(dw + b * kVnniRows), mwb = _mm512_loadu_ps(mw + b * kVnniRows);
+    for (int t = 0; t < T; ++t) {
+      for (int l = 0; l < L; ++l)
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[l][t]), _mm512_mul_ps(dwb, _mm512_set1_ps(d[l][t * nb + b])),
+                                 acc[t]);
+      acc[t] = _mm512_fmadd_ps(mwb, _mm512_set1_ps(s[t * nb + b]), acc[t]);
+    }
+  }
+}
+
+template <int T>
+PAGEDSERVE_VNNI512 void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_t nb,
+                                     const ActsA8& q, int64_t m, int64_t K, float* out, int64_t N, int64_t n0,
+                                     const float* bias) {
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  const int8_t* a[2] = {q.a[0].data() + m * K, q.levels > 1 ? q.a[1].data() + m * K : nullptr};
+  const float* d[2] = {q.d[0].data() + m * nb, q.levels > 1 ? q.d[1].data() + m * nb : nullptr};
+  const float* s = q.s.data() + m * nb;
+  if (q.levels > 1) panel_tile<T, 2>(codes, dw, mw, nb, a, K, d, s, acc);
+  else panel_tile<T, 1>(codes, dw, mw, nb, a, K, d, s, acc);
+  const int64_t rows = std::min(kVnniRows, N - n0);
+  const __mmask16 mask = rows == kVnniRows ? 0xFFFF : static_cast<__mmask16>((1u << rows) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + (m + t) * N + n0, mask, _mm512_add_ps(acc[t], bv));
+}
+
+bool cpu_has_vnni512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+}  // namespace
+
+bool linear_vnni_available() {
+  static const bool available = cpu_has_vnni512();
+  return available;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_vnni(const at::Tensor& codes, const at::Tensor& scale,
+                                                            const at::Tensor& min, int64_t group_size) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K / 2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, nb = K / kActBlock, P = (N + kVnniRows - 1) / kVnniRows;
+  TORCH_CHECK(K % kActBlock == 0, "K must be a multiple of 32, got ", K);
+  check_groups(scale, N, K, group_size, "scale");
+  check_groups(min, N, K, group_size, "min");
+  at::Tensor packed = at::zeros({P, nb * kVnniBlockBytes}, codes.options());
+  at::Tensor dw = at::zeros({P, nb * kVnniRows}, scale.options()), mw = at::zeros({P, nb * kVnniRows}, scale.options());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float *sc = scale.data_ptr<float>(), *mn = min.data_ptr<float>();
+  uint8_t* pk = packed.data_ptr<uint8_t>();
+  float *pdw = dw.data_ptr<float>(), *pmw = mw.data_ptr<float>();
+  const int64_t groups = K / group_size;
+  auto code = [&](int64_t n, int64_t k) -> uint8_t {   // GGUF order: byte i of a run holds weights i and i + 16
+    const uint8_t byte = c[n * (K / 2) + k / 32 * 16 + k % 16];
+    return (k % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
+  };
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r = 0; r < kVnniRows && p * kVnniRows + r < N; ++r) {
+        const int64_t n = p * kVnniRows + r;
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* blk = pk + p * nb * kVnniBlockBytes + b * kVnniBlockBytes;
+          for (int j = 0; j < 4; ++j)
+            for (int q = 0; q < 4; ++q) {
+              const int64_t k = b * kActBlock + 8 * j + q;
+              blk[64 * j + 4 * r + q] = static_cast<uint8_t>(code(n, k) | (code(n, k + 4) << 4));
+            }
+          pdw[(p * nb + b) * kVnniRows + r] = sc[n * groups + b * kActBlock / group_size];
+          pmw[(p * nb + b) * kVnniRows + r] = mn[n * groups + b * kActBlock / group_size];
+        }
+      }
+  });
+  return {packed, dw, mw};
+}
+
+at::Tensor linear_q4_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dw, const at::Tensor& mw,
+                          int64_t N, const c10::optional<at::Tensor>& bias, int64_t levels) {
+  TORCH_CHECK(linear_vnni_available(), "linear_q4_vnni needs a CPU with AVX-512 VNNI");
+  TORCH_CHECK(levels == 1 || levels == 2, "levels must be 1 or 2, got ", levels);
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int64_t K = x.size(1), M = x.size(0), nb = K / kActBlock, P = (N + kVnniRows - 1) / kVnniRows;
+  check_input(x, K, bias, N);
+  TORCH_CHECK(K % kActBlock == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) == P && packed.size(1) == nb * kVnniBlockBytes,
+              "packed must be contiguous uint8 [ceil(N / 16), K / 32 * 256] (pack_q4_vnni)");
+  for (const at::Tensor* t : {&dw, &mw})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == P &&
+                    t->size(1) == nb * kVnniRows,
+                "dw, mw must be contiguous float32 [ceil(N / 16), K / 32 * 16] (pack_q4_vnni)");
+  at::Tensor out = at::empty({M, N}, x.options());
+  const ActsA8 q = quantize_acts(x.data_ptr<float>(), M, K, static_cast<int>(levels));
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  const float *pdw = dw.data_ptr<float>(), *pmw = mw.data_ptr<float>();
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* codes = pk + p * nb * kVnniBlockBytes;
+      const float *d = pdw + p * nb * kVnniRows, *m = pmw + p * nb * kVnniRows;
+      int64_t t = 0;
+      for (; t + kVnniTokens <= M; t += kVnniTokens)
+        panel_tokens<kVnniTokens>(codes, d, m, nb, q, t, K, o, N, p * kVnniRows, b);
+      switch (M - t) {
+        case 3: panel_tokens<3>(codes, d, m, nb, q, t, K, o, N, p * kVnniRows, b); break;
+        case 2: panel_tokens<2>(codes, d, m, nb, q, t, K, o, N, p * kVnniRows, b); break;
+        case 1: panel_tokens<1>(codes, d, m, nb, q, t, K, o, N, p * kVnniRows, b); break;
+        default: break;
+      }
+    }
+  });
+  return out;
+}
+
+#undef PAGEDSERVE_VNNI512
+
+}  // namespace pagedserve::cpu

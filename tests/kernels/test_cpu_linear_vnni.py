@@ -1,0 +1,67 @@
+"""The int4 linear at decode on AVX-512 VNNI (kernels/csrc/linear_vnni.cpp, ``pack_q4_vnni`` + ``linear_q4_vnni``)
+against ``linear_q4_a8``, whose function it computes on a repacked copy of the weight: one level bit for bit (the
+same integer sums, the same float operations per block in the same order), two levels up to float32 summation order
+(here the two levels' terms of a block are added together, there level 2 runs after all of level 1). Shapes: every
+token count of one register tile and past it, N not a multiple of the 16-row panel, Q4 groups of 32/64/128, with and
+without bias, a block of zeros (scale 0). ``linear_q4_a8`` itself is checked against torch in test_cpu_linear_a8.py.
+Skipped where the CPU lacks AVX-512 VNNI."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.models.cpu_linear import VNNI_MAX_TOKENS, StreamingInt4Linear, use_vnni, vnni_available
+from pagedserve.models.quant import quantize_int4
+
+pytestmark = pytest.mark.skipif(not vnni_available(), reason="AVX-512 VNNI not available here (CPU or kernels)")
+ops = torch.ops.pagedserve_cpu
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 11, 40])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_vnni_equals_the_int8_activation_kernel(m, group):
+    gen = torch.Generator().manual_seed(m + group)
+    layer = StreamingInt4Linear(quantize_int4(torch.randn(61, 384, generator=gen), group),
+                                torch.randn(61, generator=gen))
+    packed = ops.pack_q4_vnni(layer.codes, layer.scales, layer.mins, group)
+    assert packed[0].shape == (4, 384 // 32 * 256) and packed[1].shape == packed[2].shape == (4, 384 // 32 * 16)
+    x = torch.randn(m, 384, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+    x[0, 32:64] = 0.0                                      # a block of zeros: scale 0
+    for bias in (layer.bias, None):
+        args = (x, layer.codes, layer.scales, layer.mins, group, bias)
+        assert torch.equal(ops.linear_q4_vnni(x, *packed, 61, bias, 1), ops.linear_q4_a8(*args, 1))
+        two, ref = ops.linear_q4_vnni(x, *packed, 61, bias, 2), ops.linear_q4_a8(*args, 2)
+        assert torch.allclose(two, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        exact = x.double() @ layer.dequantize().double().T + (0 if bias is None else bias.double())
+        assert (two.double() - exact).abs().max().item() < 1e-3 * exact.abs().max().item()
+
+
+def test_layer_takes_vnni_up_to_vnni_max_tokens():
+    gen = torch.Generator().manual_seed(1)
+    layer = StreamingInt4Linear(quantize_int4(torch.randn(40, 96, generator=gen), 32))
+    assert layer.vnni_max_tokens == 0 and layer.vnni_panels is None
+    assert use_vnni(torch.nn.Sequential(layer), 6) == 1 and layer.vnni_max_tokens == 6
+    layer.a8_levels = 1
+    small, big = torch.randn(2, 3, 96, generator=gen), torch.randn(7, 96, generator=gen)
+    args = (layer.codes, layer.scales, layer.mins, 32, None)
+    assert torch.equal(layer(small).reshape(6, 40), ops.linear_q4_a8(small.reshape(6, 96), *args, 1))
+    assert torch.equal(layer(big), ops.linear_q4(big, *args))
+    use_vnni(torch.nn.Sequential(layer), 0)
+    assert layer.vnni_panels is None
+    assert torch.equal(layer(small).reshape(6, 40), ops.linear_q4(small.reshape(6, 96), *args))
+    assert VNNI_MAX_TOKENS >= 1
+
+
+def test_vnni_rejects_bad_arguments():
+    layer = StreamingInt4Linear(quantize_int4(torch.randn(16, 64), 32))
+    packed = ops.pack_q4_vnni(layer.codes, layer.scales, layer.mins, 32)
+    with pytest.raises(RuntimeError, match="levels must be 1 or 2"):
+        ops.linear_q4_vnni(torch.randn(2, 64), *packed, 16, None, 3)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ops.linear_q4_vnni(torch.randn(2, 96), *packed, 16, None, 1)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ops.linear_q4_vnni(torch.randn(2, 64), *packed, 17 + 16, None, 1)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        ops.pack_q4_vnni(layer.codes, layer.scales[:8], layer.mins, 32)
+    with pytest.raises(ValueError, match="max_tokens"):
+        use_vnni(torch.nn.Sequential(), -1)
