@@ -38,26 +38,31 @@ from common import QUICK_PROMPTS, chat_prompt_ids, configure_threads  # noqa: E4
 from pagedserve.attention.base import AttentionMetadata  # noqa: E402
 from pagedserve.attention.cpu import CpuAttentionBackend  # noqa: E402
 from pagedserve.worker.kv_tensors import allocate_kv_caches  # noqa: E402
-from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, AMX_MIN_TOKENS, DQ_MIN_TOKENS, amx_available,  # noqa: E402
-                                          use_amx, use_dequantized_gemm, use_int8_activations)
+from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, AMX_MIN_TOKENS, DQ_MIN_TOKENS, VNNI_MAX_TOKENS,  # noqa: E402
+                                          amx_available, use_amx, use_dequantized_gemm, use_int8_activations,
+                                          use_vnni, vnni_available)
 from pagedserve.models.loader import ModelSource  # noqa: E402
 from pagedserve.models.registry import build_model  # noqa: E402
 
-# name: (a8_min_tokens, levels, dq_min_tokens, amx_min_tokens); "float32 act" the own float kernels alone, "int8
-# x2" / "int8 x1" int8 activations in two levels / one, "dq gemm" the float32 GEMM of the decoded weights from
-# DQ_MIN_TOKENS, "amx x2" / "amx x1" int8 activations on AMX tiles from AMX_MIN_TOKENS (only where AMX-INT8 runs).
-# linear_kernels "auto" is "amx x2" with AMX, else "dq gemm"; "int8-activations" is "amx x1" with AMX, else "int8 x1".
-SETTINGS = {"float32 act": (0, 2, 0, 0), "int8 x2": (A8_MIN_TOKENS, 2, 0, 0), "int8 x1": (A8_MIN_TOKENS, 1, 0, 0),
-            "dq gemm": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, 0)}
+# name: (a8_min_tokens, levels, dq_min_tokens, amx_min_tokens, vnni_max_tokens); "float32 act" the own float kernels
+# alone, "int8 x2" / "int8 x1" int8 activations in two levels / one, "dq gemm" the float32 GEMM of the decoded weights
+# from DQ_MIN_TOKENS, "amx x2" / "amx x1" int8 activations on AMX tiles from AMX_MIN_TOKENS (only where AMX-INT8
+# runs), and up to VNNI_MAX_TOKENS on the AVX-512 VNNI panels where the CPU has them (decode steps; a prefill of 256+
+# tokens never takes them). linear_kernels "auto" is "amx x2" with AMX, else "dq gemm" (plus the VNNI panels where
+# present); "int8-activations" is "amx x1" with AMX, else "int8 x1".
+VNNI = VNNI_MAX_TOKENS if vnni_available() else 0
+SETTINGS = {"float32 act": (0, 2, 0, 0, 0), "int8 x2": (A8_MIN_TOKENS, 2, 0, 0, 0),
+            "int8 x1": (A8_MIN_TOKENS, 1, 0, 0, 0), "dq gemm": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, 0, VNNI)}
 if amx_available():
-    SETTINGS.update({"amx x2": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, AMX_MIN_TOKENS),
-                     "amx x1": (A8_MIN_TOKENS, 1, DQ_MIN_TOKENS, AMX_MIN_TOKENS)})
+    SETTINGS.update({"amx x2": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI),
+                     "amx x1": (A8_MIN_TOKENS, 1, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI)})
 
 
-def use_setting(model, setting: tuple[int, int, int, int]) -> None:
+def use_setting(model, setting: tuple[int, int, int, int, int]) -> None:
     use_int8_activations(model, *setting[:2])
     use_dequantized_gemm(model, setting[2])
     use_amx(model, setting[3])
+    use_vnni(model, setting[4])
 
 
 def text_ids(tokenizer, n: int) -> list[int]:

@@ -141,8 +141,14 @@ def _register_fakes() -> None:
         n = weight.shape[0]
         return x.new_empty((x.shape[0], n))
 
-    for name in ("linear_f32", "linear_q4", "linear_q8", "linear_q4_a8", "linear_q8_a8"):
+    for name in ("linear_f32", "linear_q4", "linear_q8", "linear_q4_a8", "linear_q8_a8", "linear_q4_amx"):
         torch.library.register_fake(f"pagedserve_cpu::{name}")(fake)
+    torch.library.register_fake("pagedserve_cpu::linear_q4_vnni")(
+        lambda x, packed, dw, mw, n, bias, levels: x.new_empty((x.shape[0], n)))
+    torch.library.register_fake("pagedserve_cpu::dequantize_q4")(
+        lambda codes, scale, mn, group_size: scale.new_empty((codes.shape[0], codes.shape[1] * 2)))
+    torch.library.register_fake("pagedserve_cpu::dequantize_q8")(
+        lambda codes, scale, group_size: scale.new_empty(codes.shape))
     torch.library.register_fake("pagedserve_cpu::paged_decode_attention")(lambda q, *args: torch.empty_like(q))
     torch.library.register_fake("pagedserve_cpu::rms_norm")(
         lambda x, weight, eps, residual: (x.new_empty(x.shape),

@@ -36,12 +36,13 @@ class LlamaAttention(nn.Module):
                                         bool(getattr(cfg, "attention_bias", False)), tp)
 
     def forward(self, positions, hidden, kv_cache, meta, backend: AttentionBackend, cos_sin):
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        rotary = backend.elementwise.rotary_embedding
-        q = rotary(positions, q.view(T, self.num_heads, self.head_dim), cos_sin)
-        k = rotary(positions, k.view(T, self.num_kv_heads, self.head_dim), cos_sin)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        T, qk_size = hidden.shape[0], self.q_size + self.kv_size
+        qkv = self.qkv_proj(hidden)
+        # q and k rotated in one call: their heads are adjacent in the fused output ([T, H + Hkv, D], strided rows)
+        qk = backend.elementwise.rotary_embedding(
+            positions, qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, qk_size:].reshape(T, self.num_kv_heads, self.head_dim)
         if meta is None:  # compiled forward: attention + KV write as one opaque op reading the step context
             out = torch.ops.pagedserve.paged_attention(q, k, v, self.layer_idx, self.scale)
         else:
