@@ -83,8 +83,8 @@ AMX_MIN_TOKENS = 16
 AMX_CHOICES = ("auto", "int8-activations")
 # Tokens up to which "auto" / "int8-activations" run the int4 layers on linear_q4_vnni (int8 activations, 16-row
 # panels packed at load, AVX-512 VNNI) where the CPU has it; it comes before every other path. 3072 x 576, two
-# levels, 2 threads, same process, us per call: M=1 16.6 vs 59.1 float activations (linear_q4); M=16 128 vs AMX 203;
-# M=32 250 vs AMX 293; M=64 498 vs AMX 439 (bench/README.md, "Decode on AVX-512 VNNI").
+# levels, 30 weights streaming from memory, 2 threads, same process, us per call (bench/decode_linears.py): M=1 47.2
+# vs 68.8 float activations (linear_q4); M=16 164.6 vs AMX 196.6; M=32 294.1 vs AMX 297.8; M=64 543.9 vs AMX 474.3.
 VNNI_MAX_TOKENS = 32
 VNNI_CHOICES = AMX_CHOICES
 
