@@ -312,6 +312,13 @@ def amx_available() -> bool:
     return cpu_kernel_ops() is not None and bool(torch.ops.pagedserve_cpu.linear_amx_available())
 
 
+def _int8_activation_int4_layers(model: nn.Module) -> list[StreamingInt4Linear]:
+    """The :class:`StreamingInt4Linear` layers of ``model`` whose K and group size are multiples of 32 (what the AMX
+    and VNNI int8-activation kernels take)."""
+    return [m for m in model.modules()
+            if isinstance(m, StreamingInt4Linear) and m.in_features % 32 == 0 and m.group_size % 32 == 0]
+
+
 def use_amx(model: nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> int:
     """Set ``amx_min_tokens = min_tokens`` (0: off) on every :class:`StreamingInt4Linear` of ``model`` whose K and
     group size are multiples of 32: from that many tokens a call runs ``linear_q4_amx`` with the layer's
@@ -325,12 +332,10 @@ def use_amx(model: nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> int:
         raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
     if min_tokens and not amx_available():
         raise RuntimeError("AMX-INT8 is not available on this CPU (or the kernels did not load)")
-    count = 0
-    for module in model.modules():
-        if isinstance(module, StreamingInt4Linear) and module.in_features % 32 == 0 and module.group_size % 32 == 0:
-            module.amx_min_tokens = min_tokens
-            count += 1
-    return count
+    layers = _int8_activation_int4_layers(model)
+    for module in layers:
+        module.amx_min_tokens = min_tokens
+    return len(layers)
 
 
 def vnni_available() -> bool:
@@ -352,9 +357,7 @@ def use_vnni(model: nn.Module, max_tokens: int = VNNI_MAX_TOKENS) -> int:
         raise ValueError(f"max_tokens: must be >= 0, got {max_tokens}")
     if max_tokens and not vnni_available():
         raise RuntimeError("AVX-512 VNNI is not available on this CPU (or the kernels did not load)")
-    count = 0
-    for module in model.modules():
-        if isinstance(module, StreamingInt4Linear) and module.in_features % 32 == 0 and module.group_size % 32 == 0:
-            module.set_vnni(max_tokens)
-            count += 1
-    return count
+    layers = _int8_activation_int4_layers(model)
+    for module in layers:
+        module.set_vnni(max_tokens)
+    return len(layers)
