@@ -44,7 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "VNNI/AMX where the CPU has them; float-activations: float32 activations) or torch's")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     p.add_argument("--by-module", action="store_true",
-                   help="also time the forward's parts: each linear shape, attention, norms (adds a little overhead)")
+                   help="also time the forward's parts: each linear shape, attention, norms (adds a little overhead; "
+                        "runs the Python forward, not the fused decode stack)")
+    p.add_argument("--no-fused-decode", action="store_true",
+                   help="decode steps on the Python forward, not the one-call C++ stack (models/fused_decode.py)")
     return p.parse_args(argv)
 
 
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     config = EngineConfig(device="cpu", dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=args.running,
                           quantization=args.quantization, linear_kernels=args.linear_kernels,
                           kv_cache_dtype=args.kv_cache_dtype,
-                          max_model_len=args.prompt_tokens + args.steps + 16)
+                          max_model_len=args.prompt_tokens + 2 * args.steps + 80)
     engine, _ = build_engine(config)
     totals: collections.Counter = collections.Counter()
     runner = engine.executor.runner
@@ -110,11 +113,15 @@ def main(argv=None) -> int:
     timed(runner.input_batch, "prepare", "batch building", totals)
     timed(runner.input_batch, "sampling_rows", "sampling rows", totals)
     parts: collections.Counter = collections.Counter()
+    fused = engine.executor.model.fused_decode is not None
+    if args.no_fused_decode or args.by_module:
+        engine.executor.model.fused_decode = None
     if args.by_module:
         time_modules(engine.executor.model, runner.backend, parts)
     timed(engine.scheduler, "schedule", "scheduler.schedule", totals)
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=args.temperature,
+    # room for the tokens decoded while later prompts still prefill (a prompt batch of many requests takes steps)
+    params = SamplingParams(max_tokens=2 * args.steps + 64, ignore_eos=True, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
     for i in range(args.running):
         engine.add_request(f"r{i}", [rng.randrange(100, engine.vocab_size - 100) for _ in range(args.prompt_tokens)],
@@ -129,6 +136,8 @@ def main(argv=None) -> int:
         engine.step()
     wall = time.perf_counter() - start
     assert len(engine.scheduler.running) == args.running, "requests finished early; raise max_tokens"
+    print(f"fused decode stack: {'on' if engine.executor.model.fused_decode is not None else 'off'} (available: "
+          f"{'yes' if fused else 'no'})")
     print(f"dtype {args.dtype}, KV cache {args.kv_cache_dtype}; " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(f"{args.running} running, {args.prompt_tokens}-token prompts, temperature {args.temperature}, "
           f"top-p {args.top_p}, top-k {args.top_k}: {wall / args.steps * 1e3:.1f} ms per decode step")

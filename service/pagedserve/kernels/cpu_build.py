@@ -16,8 +16,9 @@ a time, and 10.5-11.0 s for the old single file. Each ``.cpp`` includes what it 
 that was measured); since the unit is shared, the names in the files' anonymous namespaces must stay distinct.
 
 The ops (``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8 / linear_q4_a8 / linear_q8_a8 /
-paged_decode_attention / reshape_and_cache / rms_norm / rotary_embedding / silu_and_mul``, formats at their
-definitions) get fake (meta) implementations so ``torch.compile`` traces through them as opaque calls.
+paged_decode_attention / reshape_and_cache / rms_norm / rotary_embedding / silu_and_mul / llama_decode_layers``,
+formats at their definitions) get fake (meta) implementations so ``torch.compile`` traces through them as opaque
+calls.
 
 The kernels need an x86-64 CPU with AVX2 and FMA; :func:`cpu_kernel_ops` returns None, with the reason in
 :func:`unavailable_reason`, when the CPU lacks them, no compiler is found (``$CXX``, ``c++``, ``g++``) or the build
@@ -158,6 +159,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("pagedserve_cpu::silu_and_mul")(
         lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)))
     torch.library.register_fake("pagedserve_cpu::reshape_and_cache")(lambda key, value, kc, vc, slots: None)
+    torch.library.register_fake("pagedserve_cpu::llama_decode_layers")(
+        lambda hidden, *args: hidden.new_empty(hidden.shape))
 
 
 def _check_cpu() -> str | None:

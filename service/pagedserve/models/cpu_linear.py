@@ -346,8 +346,9 @@ def vnni_available() -> bool:
 def use_vnni(model: nn.Module, max_tokens: int = VNNI_MAX_TOKENS) -> int:
     """Set ``vnni_max_tokens = max_tokens`` (0: off, the packed copies dropped) on every :class:`StreamingInt4Linear`
     of ``model`` whose K and group size are multiples of 32, packing each weight on first use (:meth:`set_vnni`):
-    calls of up to that many tokens run ``linear_q4_vnni`` with the layer's ``a8_levels``. Returns how many layers
-    were set.
+    calls of up to that many tokens run ``linear_q4_vnni`` with the layer's ``a8_levels``. On a model with a
+    ``refresh_fused_decode`` method (Llama) its one-call decode stack (:mod:`.fused_decode`) is rebuilt or dropped.
+    Returns how many layers were set.
 
     Raises:
         ValueError: a negative ``max_tokens``.
@@ -360,4 +361,7 @@ def use_vnni(model: nn.Module, max_tokens: int = VNNI_MAX_TOKENS) -> int:
     layers = _int8_activation_int4_layers(model)
     for module in layers:
         module.set_vnni(max_tokens)
+    refresh = getattr(model, "refresh_fused_decode", None)   # a Llama: its one-call decode stack follows the panels
+    if refresh is not None:
+        refresh()
     return len(layers)

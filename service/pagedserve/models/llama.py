@@ -104,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.quantization = "none"  # what GetModelInfo reports; set by load_weights for quantized weights
         self.linear_kernels = "torch"  # whose kernels run the linears; models.registry sets "pagedserve-cpu"
+        self.fused_decode = None  # a .fused_decode.FusedDecode when cpu_linear.use_vnni made one (decode steps in C++)
         theta = getattr(cfg, "rope_theta", None)
         if theta is None:
             theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
@@ -111,6 +112,13 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         if not self.norm.is_meta:  # under a meta device, build_model calls this after to_empty()
             self.reset_rotary_cache()
+
+    def refresh_fused_decode(self) -> None:
+        """(Re)build :attr:`fused_decode` from the layers' VNNI state, None where it cannot run (called by
+        :func:`.cpu_linear.use_vnni`)."""
+        from .fused_decode import FusedDecode
+
+        self.fused_decode = FusedDecode.build(self)
 
     def reset_rotary_cache(self) -> None:
         """(Re)build the fp32 ``[max_position_embeddings, head_dim]`` rotary table on the model's device."""
@@ -130,11 +138,16 @@ class LlamaForCausalLM(nn.Module):
                 ``pagedserve::paged_attention`` custom op (:mod:`pagedserve.attention.opaque`) instead, reading the
                 metadata and caches from the step context (``kv_caches`` is then unused).
             backend: the attention backend; its ``elementwise`` ops run the RMSNorms, rotary embedding and SwiGLU.
+                A decode-only step that :attr:`fused_decode` takes runs the whole stack in one C++ call instead
+                (:mod:`.fused_decode`: the same kernels, the same result).
 
         Returns:
             Final hidden states ``[T, hidden]`` (after the last RMSNorm), the model dtype.
         """
         hidden = self.embed_tokens(input_ids)
+        fused = self.fused_decode
+        if fused is not None and fused.takes(hidden.shape[0], meta, backend, kv_caches):
+            return fused(hidden, positions, kv_caches, meta, self.cos_sin_cache)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta, backend, self.cos_sin_cache)

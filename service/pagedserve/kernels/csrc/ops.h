@@ -17,9 +17,11 @@
 //   attention.cpp      paged_decode_attention
 //   cache.cpp          reshape_and_cache (KV write)
 //   elementwise.cpp    rms_norm, rotary_embedding, silu_and_mul
+//   decode_stack.cpp   llama_decode_layers (a decode-only step's decoder stack in one call, over the ops above)
 // Shapes, dtypes and the checks each op makes are documented at its definition.
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
@@ -63,5 +65,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
 at::Tensor rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin,
                             bool is_neox);
 at::Tensor silu_and_mul(const at::Tensor& x);
+
+at::Tensor llama_decode_layers(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& cos_sin,
+                               at::TensorList input_norms, at::TensorList post_norms, const at::Tensor& final_norm,
+                               at::TensorList packed, at::TensorList dw, at::TensorList mw,
+                               const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
+                               at::IntArrayRef levels, at::TensorList k_caches, at::TensorList v_caches,
+                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                               double scale);
 
 }  // namespace pagedserve::cpu

@@ -29,6 +29,10 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) "
         "-> ()");
+  m.def("llama_decode_layers(Tensor hidden, Tensor positions, Tensor cos_sin, Tensor[] input_norms, "
+        "Tensor[] post_norms, Tensor final_norm, Tensor[] packed, Tensor[] dw, Tensor[] mw, Tensor?[] biases, "
+        "int[] out_features, int[] levels, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -47,4 +51,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("llama_decode_layers", &llama_decode_layers);
 }
