@@ -11,6 +11,14 @@ import pytest  # noqa: E402
 
 from support import ServerThread, free_port  # noqa: E402,F401  (tests/support.py)
 
+import pagedserve.worker.memory as _memory  # noqa: E402
+
+# In-process engines of the session get a 1 GiB CPU KV cache unless a test sets kv_cache_memory_bytes: the default
+# (2 GiB) is zeroed up front, and this one process holds many engines at once (the session server, module
+# fixtures): at 2 GiB each the suite's process passed 24 GB and was OOM-killed. Servers started as subprocesses
+# (support.ServerProcess) keep the default.
+_memory.DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
 
 @pytest.fixture(scope="session")
 def random_llama_model():

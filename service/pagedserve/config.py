@@ -54,7 +54,7 @@ class EngineConfig:
             TTFT p50 2.6 / 2.8 / 5.2 s.
         long_prefill_token_threshold: tokens one prefill may take in a step (0: the whole budget).
         max_waiting_requests: waiting requests at most before RESOURCE_EXHAUSTED (0: unbounded).
-        kv_cache_memory_bytes: bytes for K and V over all layers; None: 1 GiB on CPU, and on CUDA what
+        kv_cache_memory_bytes: bytes for K and V over all layers; None: 2 GiB on CPU, and on CUDA what
             ``gpu_memory_utilization`` leaves after a profiled forward pass.
         gpu_memory_utilization: fraction of the GPU's memory this process may use (weights, activations, KV cache).
         num_kv_blocks: overrides the memory sizing when set.

@@ -8,14 +8,17 @@ from ..attention.base import AttentionMetadata
 from ..config import EngineConfig
 from .kv_tensors import allocate_kv_caches, kv_cache_dtype
 
-# 1 GiB (23,296 tokens of the embedded model's float32 K/V). 2 GiB served 32 streams of 1,024-token prompts better
-# (60.2 vs 56.0 out tok/s, bench/README.md) but took the test suite's process past 24 GB (every in-process server
-# zeroes its cache): pass --kv-cache-memory-bytes for such loads.
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# 2 GiB (46,592 tokens of the embedded model's float32 K/V; vLLM CPU's VLLM_CPU_KVCACHE_SPACE in the comparison).
+# Against 1 GiB it served 32 streams of 1,024-token prompts at 60.2 vs 56.0 out tok/s, TTFT p50 2.7 vs 12.3 s
+# (bench/README.md). Zeroed up front (allocate_kv_caches): a calloc'd cache committed on first write was tried, but
+# first-touch faults cost ~0.9 ms per MB on the 2-core VM (400 MB: 357 ms first, 23 ms again), ~40 ms on the TTFT of
+# each 1,024-token prompt until the free-block queue has cycled. The test suite's in-process engines run at 1 GiB
+# (tests/conftest.py: one process holds many engines).
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 def kv_cache_bytes(config: EngineConfig, model, backend, device: torch.device) -> int:
-    """Bytes to give the KV cache: ``--kv-cache-memory-bytes`` when set; on CPU 1 GiB; on CUDA, what
+    """Bytes to give the KV cache: ``--kv-cache-memory-bytes`` when set; on CPU 2 GiB; on CUDA, what
     ``gpu_memory_utilization`` of the device's memory leaves after the weights and the peak of a profiled forward
     pass over ``max_num_batched_tokens`` tokens (vLLM's profiling run).
 
