@@ -128,9 +128,9 @@ def server_sharing_model(server, embedding_model: str = "", http_port: int = 0, 
         s.stop()
 
 
-def prefill_hidden(model, ids: list[int]):
-    """Final hidden states ``[T, hidden]`` of one prefill of ``ids`` through a pagedserve model (torch attention, a
-    fresh KV cache of the model's (rank's) heads, block size 16), under inference mode."""
+def prefill_hidden(model, ids: list[int], backend=None):
+    """Final hidden states ``[T, hidden]`` of one prefill of ``ids`` through a pagedserve model (``backend``, torch
+    attention by default, a fresh KV cache of the model's (rank's) heads, block size 16), under inference mode."""
     import torch
 
     from pagedserve.attention.base import AttentionMetadata
@@ -147,7 +147,7 @@ def prefill_hidden(model, ids: list[int]):
         query_lens=torch.tensor([T], **i32), max_query_len=T, max_context_len=T, num_decode_seqs=0,
         query_lens_cpu=[T], context_lens_cpu=[T])
     with torch.inference_mode():
-        return model(torch.tensor(ids), torch.arange(T), kv, meta, TorchAttentionBackend())
+        return model(torch.tensor(ids), torch.arange(T), kv, meta, backend or TorchAttentionBackend())
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

@@ -124,12 +124,13 @@ def _fixed_text_ids(tokenizer) -> list[int]:
 
 
 @torch.inference_mode()
-def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-1 predictions ``[T-1]``, next-token NLL ``[T-1]``) of one prefill over ``ids``."""
+def _teacher_forced(model, ids: list[int], backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-1 predictions ``[T-1]``, next-token NLL ``[T-1]``) of one prefill over ``ids`` (torch attention unless
+    ``backend``)."""
     from support import prefill_hidden
 
     T = len(ids)
-    hidden = prefill_hidden(model, ids)[:-1]
+    hidden = prefill_hidden(model, ids, backend)[:-1]
     targets = torch.tensor(ids[1:])
     top1, nll = [], []
     for s in range(0, T - 1, 256):
@@ -139,26 +140,38 @@ def _teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(top1), torch.cat(nll)
 
 
-@pytest.mark.parametrize("path", ["as built", "int8 x2", "dq gemm", "vnni x2"])
+@pytest.mark.parametrize("path", ["as built", "served", "int8 x2", "dq gemm", "vnni x2"])
 def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     """2,000 tokens of a fixed text: top-1 agrees with the dequantized fp32 model on >= 99% of positions and the
     perplexity is within 1%. One prefill, so the long-chunk path runs: "as built" the defaults (two-level int8
-    activations on AMX tiles where the CPU has AMX-INT8, else the float32 GEMM of the decoded weights); "int8 x2"
+    activations on AMX tiles where the CPU has AMX-INT8, else the float32 GEMM of the decoded weights); "served"
+    the same through the attention backend an engine selects for it (the cpu backend, whose prefill attention runs
+    in bfloat16 where the CPU multiplies bf16 natively: attention.cpu.use_bf16_prefill_attention); "int8 x2"
     the own two-level int8 kernel (AMX and GEMM paths off); "dq gemm" the GEMM path (AMX off); "vnni x2" every call
     on the decode kernel (linear_q4_vnni, two levels: what decode steps run where the CPU has AVX-512 VNNI)."""
+    from pagedserve.attention.cpu import bf16_matmul_available
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
     from pagedserve.models.cpu_linear import use_amx, use_dequantized_gemm, use_vnni, vnni_available
 
-    model, tokenizer, _ = llm_parts
+    model, tokenizer, cfg = llm_parts
     ids = _fixed_text_ids(tokenizer)
     if path != "as built" and not llm_int4.a8_min_tokens:
         pytest.skip("the own CPU kernels did not load: no int8 activations, no GEMM path")
     if path == "vnni x2" and not vnni_available():
         pytest.skip("the CPU lacks AVX-512 VNNI")
-    use_amx(llm_int4, llm_int4.amx_min_tokens if path == "as built" else 0)
+    backend = None
+    if path == "served":
+        engine, info = build_engine(EngineConfig(device="cpu", num_kv_blocks=8), model=llm_int4, tokenizer=tokenizer,
+                                    hf_config=cfg)
+        backend = engine.executor.runner.backend
+        assert info.prefill_attention_dtype == ("bfloat16" if bf16_matmul_available() else None)
+    use_amx(llm_int4, llm_int4.amx_min_tokens if path in ("as built", "served") else 0)
     use_dequantized_gemm(llm_int4, 0 if path in ("int8 x2", "vnni x2") else llm_int4.dq_min_tokens)
-    use_vnni(llm_int4, {"as built": llm_int4.vnni_max_tokens, "vnni x2": 1 << 20}.get(path, 0))
+    use_vnni(llm_int4, {"as built": llm_int4.vnni_max_tokens, "served": llm_int4.vnni_max_tokens,
+                        "vnni x2": 1 << 20}.get(path, 0))
     try:
-        top_q, nll_q = _teacher_forced(llm_int4, ids)
+        top_q, nll_q = _teacher_forced(llm_int4, ids, backend)
     finally:
         use_amx(llm_int4, llm_int4.amx_min_tokens)
         use_dequantized_gemm(llm_int4, llm_int4.dq_min_tokens)

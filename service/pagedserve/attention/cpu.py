@@ -37,8 +37,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     elementwise = CPU_OPS
 
+    def __init__(self, prefill_dtype: torch.dtype | None = None):
+        super().__init__()
+        #: None (prefill attention in the query's dtype), or bfloat16: float32 prefill rows' SDPA on bf16 q/k/v with
+        #: fp32 accumulation (see :func:`use_bf16_prefill_attention`). The KV cache and decode rows are unaffected.
+        self.prefill_dtype = prefill_dtype
+
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
         nd = meta.num_decode_seqs
+        if nd == 0 and self.prefill_dtype is not None and query.dtype == torch.float32:
+            self._write_kv(query, key, value, k_cache, v_cache, meta)
+            return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]),
+                                       key, value, self._workspace, self.prefill_dtype)
         if nd == 0 or query.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or query.shape[-1] % 8 or \
                 query.device.type != "cpu":
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)
@@ -55,6 +65,30 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return out
         plan = self._step_plan(meta, k_cache.shape[1])
         prefill_only = StepPlan([], plan.prefill_masks, plan.query_starts)
-        out = paged_attention_ref(query, k_cache, v_cache, meta, scale, prefill_only, key, value, self._workspace)
+        out = paged_attention_ref(query, k_cache, v_cache, meta, scale, prefill_only, key, value, self._workspace,
+                                  self.prefill_dtype)
         out[:nd] = decode
         return out
+
+
+def bf16_matmul_available() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX512-BF16), where torch's flash kernel runs
+    bf16 attention about 2.5x faster than float32 (1,024 causal tokens, 9 heads of 64: 2.3 vs 6.0 ms per layer)."""
+    checks = (getattr(torch.cpu, "_is_amx_tile_supported", None), getattr(torch.cpu, "_is_avx512_bf16_supported", None))
+    return any(bool(check()) for check in checks if check is not None)
+
+
+def use_bf16_prefill_attention(backend, model) -> bool:
+    """Give a :class:`CpuAttentionBackend` bfloat16 prefill attention when the model's prefill already runs on
+    approximate numerics (its quantized linears take int8 activations: ``model.a8_min_tokens`` > 0, the
+    ``linear_kernels`` choices "auto" and "int8-activations") and the CPU multiplies bf16 natively. Exact choices
+    ("float-activations", float32 weights) keep float32 attention. Returns whether it was set.
+
+    Agreement (tests/models/test_quant.py, the embedded model, 2,000 teacher-forced tokens, against the dequantized
+    float32 model): top-1 and perplexity are checked with this attention on, as for the int8 activations alone.
+    """
+    if not isinstance(backend, CpuAttentionBackend) or not getattr(model, "a8_min_tokens", 0) or \
+            not bf16_matmul_available():
+        return False
+    backend.prefill_dtype = torch.bfloat16
+    return True

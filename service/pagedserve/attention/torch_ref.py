@@ -134,7 +134,7 @@ def plan_step(meta: AttentionMetadata, block_size: int) -> StepPlan:
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, plan: StepPlan | None = None,
                         key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                        workspace: Workspace | None = None) -> torch.Tensor:
+                        workspace: Workspace | None = None, prefill_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over their paged contexts (no cache write).
 
     Args:
@@ -146,6 +146,9 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         key, value: optional ``[T, num_kv_heads, head_dim]`` new rows; a prefill chunk that is its sequence's
             whole context then reads them directly instead of gathering them back from the cache.
         workspace: gather buffers to reuse across layers and steps (a fresh one when None).
+        prefill_dtype: None, or the dtype the prefill rows' q, k and v are rounded to for SDPA (bfloat16 on CPU:
+            torch's flash kernel then multiplies on AMX / AVX512-BF16 and accumulates in fp32; the output is cast
+            back to query's dtype). Decode rows are unaffected.
 
     Returns:
         ``[T, num_heads, head_dim]``, query's dtype. Softmax is computed in fp32 for fp16/bf16 inputs on CUDA; the
@@ -186,9 +189,10 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             k = gather_kv(k_cache, meta.block_tables[i], ctx_len)
             v = gather_kv(v_cache, meta.block_tables[i], ctx_len)
         # 4-D inputs: torch's CPU flash kernel takes only those (3-D ones fall back to the unfused math path).
+        dtype = prefill_dtype or compute_dtype
         o = F.scaled_dot_product_attention(
-            query[a:b].transpose(0, 1)[None].to(compute_dtype), k.transpose(0, 1)[None].to(compute_dtype),
-            v.transpose(0, 1)[None].to(compute_dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
+            query[a:b].transpose(0, 1)[None].to(dtype), k.transpose(0, 1)[None].to(dtype),
+            v.transpose(0, 1)[None].to(dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=gqa)
         out[a:b] = o[0].transpose(0, 1).to(query.dtype)
     return out

@@ -11,6 +11,7 @@ from ..config import EngineConfig
 from ..models.loader import ModelSource
 from ..models.registry import architecture_of, build_model
 from ..attention import select_attention_backend
+from ..attention.cpu import use_bf16_prefill_attention
 from ..executor.base import Executor
 from ..executor.tensor_parallel import check_splittable, start_tensor_parallel
 from ..executor.uniproc import UniProcExecutor
@@ -46,6 +47,12 @@ class EngineInfo:
     linear_kernels: str = "torch"        # whose kernels run the linears: "pagedserve-cpu" (models.cpu_linear) or "torch"
     speculative: str | None = None       # the speculative decoding method ("ngram, 4 drafts"); None: off
     kv_cache_dtype: str = "float32"      # the KV cache's element type (--kv-cache-dtype; auto: the model's dtype)
+    prefill_attention_dtype: str | None = None   # "bfloat16": prefill SDPA in bf16 (attention.cpu); None: model's
+
+
+def _prefill_dtype_name(backend) -> str | None:
+    dtype = getattr(backend, "prefill_dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def eos_token_ids(source: ModelSource, tokenizer) -> frozenset[int]:
@@ -112,7 +119,9 @@ def _max_model_len(config: EngineConfig, hf_config, num_blocks: int) -> int:
 def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_config, source, device, dtype, backend,
                    compile_sizes) -> tuple[LLMEngine, EngineInfo]:
     model = executor.model
-    backend = backend or select_attention_backend(config.attention_backend, device)
+    if backend is None:
+        backend = select_attention_backend(config.attention_backend, device)
+        use_bf16_prefill_attention(backend, model)   # where the prefill's numerics are approximate already
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
     num_blocks = executor.determine_num_kv_blocks(config, backend, device, block_bytes)
@@ -136,6 +145,7 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       kv_block_bytes=block_bytes, prefix_caching=config.enable_prefix_caching,
                       kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+                      prefill_attention_dtype=_prefill_dtype_name(backend),
                       quantization=model.quantization,
                       tensor_parallel_size=executor.tensor_parallel_size,
                       compiled=compiled is not None,

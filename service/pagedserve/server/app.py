@@ -120,6 +120,7 @@ class App:
                           compile_cache=info.compile_cache, cuda_graphs=info.cuda_graphs,
                           quantization=info.quantization, linear_kernels=info.linear_kernels,
                           speculative=info.speculative, kv_cache_dtype=info.kv_cache_dtype,
+                          prefill_attention_dtype=info.prefill_attention_dtype,
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2))
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)

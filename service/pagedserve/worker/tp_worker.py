@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..attention.base import AttentionMetadata
 from ..config import EngineConfig
 from ..attention import select_attention_backend
+from ..attention.cpu import use_bf16_prefill_attention
 from . import tp_group as group
 from .device import rank_device as _rank_device, resolve_dtype
 from .kv_tensors import allocate_kv_caches, kv_block_bytes, kv_cache_dtype
@@ -99,6 +100,7 @@ def worker_main(spec: WorkerSpec) -> None:
 def serve_steps(model, control, config: EngineConfig, device: torch.device) -> None:
     """The worker loop: run each message rank 0 broadcasts until ``("stop",)``."""
     backend = select_attention_backend(config.attention_backend, device)
+    use_bf16_prefill_attention(backend, model)   # as rank 0's (engine.builder)
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device)
     kv_caches = None
     while True:
