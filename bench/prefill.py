@@ -10,7 +10,8 @@ settings (five or six: the AMX ones where the CPU has AMX-INT8) are the same loa
 ``linear_q8``) or :data:`~pagedserve.models.cpu_linear.A8_MIN_TOKENS` (int8 activations: ``linear_q4_a8`` /
 ``linear_q8_a8``) in two levels or one ("int8-activations"), or with ``dq_min_tokens`` at
 :data:`~pagedserve.models.cpu_linear.DQ_MIN_TOKENS` too ("dq gemm", linear_kernels "auto": ``dequantize_q4`` /
-``_q8`` and torch's float32 GEMM), alternated call by call so load
+``_q8`` and torch's float32 GEMM), prefill attention in bf16 where an engine would run it so (the settings with
+int8 activations, on a CPU with native bf16; "amx x2 fp32 attn" keeps float32), alternated call by call so load
 from other processes hits both alike; the median of ``--repeats`` calls each is printed as ms, prompt tokens/s and
 GFLOP/s-equivalent = 2 x params x P / time, where params are the model's non-embedding parameters (the 30 decoder
 layers' linears and norms and the final norm: the tied LM head is the embedding and runs for one position only, so
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import QUICK_PROMPTS, chat_prompt_ids, configure_threads  # noqa: E402
 from pagedserve.attention.base import AttentionMetadata  # noqa: E402
-from pagedserve.attention.cpu import CpuAttentionBackend  # noqa: E402
+from pagedserve.attention.cpu import CpuAttentionBackend, bf16_matmul_available  # noqa: E402
 from pagedserve.worker.kv_tensors import allocate_kv_caches  # noqa: E402
 from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, AMX_MIN_TOKENS, DQ_MIN_TOKENS, VNNI_MAX_TOKENS,  # noqa: E402
                                           amx_available, use_amx, use_dequantized_gemm, use_int8_activations,
@@ -44,25 +45,33 @@ from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, AMX_MIN_TOKENS, DQ_MIN_
 from pagedserve.models.loader import ModelSource  # noqa: E402
 from pagedserve.models.registry import build_model  # noqa: E402
 
-# name: (a8_min_tokens, levels, dq_min_tokens, amx_min_tokens, vnni_max_tokens); "float32 act" the own float kernels
+# name: (a8_min_tokens, levels, dq_min_tokens, amx_min_tokens, vnni_max_tokens, bf16 prefill attention); "float32 act" the own float kernels
 # alone, "int8 x2" / "int8 x1" int8 activations in two levels / one, "dq gemm" the float32 GEMM of the decoded weights
 # from DQ_MIN_TOKENS, "amx x2" / "amx x1" int8 activations on AMX tiles from AMX_MIN_TOKENS (only where AMX-INT8
 # runs), and up to VNNI_MAX_TOKENS on the AVX-512 VNNI panels where the CPU has them (decode steps; a prefill of 256+
 # tokens never takes them). linear_kernels "auto" is "amx x2" with AMX, else "dq gemm" (plus the VNNI panels where
 # present); "int8-activations" is "amx x1" with AMX, else "int8 x1".
+# The last element: whether prefill attention runs in bf16, as an engine sets it (attention.cpu.
+# use_bf16_prefill_attention: int8 activations on, and the CPU multiplies bf16 natively); "amx x2 fp32 attn" is
+# "amx x2" with float32 attention, to show what the bf16 attention gives.
 VNNI = VNNI_MAX_TOKENS if vnni_available() else 0
-SETTINGS = {"float32 act": (0, 2, 0, 0, 0), "int8 x2": (A8_MIN_TOKENS, 2, 0, 0, 0),
-            "int8 x1": (A8_MIN_TOKENS, 1, 0, 0, 0), "dq gemm": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, 0, VNNI)}
+BF16 = bf16_matmul_available()
+SETTINGS = {"float32 act": (0, 2, 0, 0, 0, False), "int8 x2": (A8_MIN_TOKENS, 2, 0, 0, 0, BF16),
+            "int8 x1": (A8_MIN_TOKENS, 1, 0, 0, 0, BF16), "dq gemm": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, 0, VNNI, BF16)}
 if amx_available():
-    SETTINGS.update({"amx x2": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI),
-                     "amx x1": (A8_MIN_TOKENS, 1, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI)})
+    SETTINGS.update({"amx x2": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI, BF16),
+                     "amx x1": (A8_MIN_TOKENS, 1, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI, BF16)})
+    if BF16:
+        SETTINGS["amx x2 fp32 attn"] = (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI, False)
 
 
-def use_setting(model, setting: tuple[int, int, int, int, int]) -> None:
+def use_setting(model, setting: tuple[int, int, int, int, int, bool]) -> CpuAttentionBackend:
+    """Set the model's linear paths to ``setting``; returns the attention backend of the setting."""
     use_int8_activations(model, *setting[:2])
     use_dequantized_gemm(model, setting[2])
     use_amx(model, setting[3])
     use_vnni(model, setting[4])
+    return CpuAttentionBackend(prefill_dtype=torch.bfloat16 if setting[5] else None)
 
 
 def text_ids(tokenizer, n: int) -> list[int]:
@@ -103,18 +112,16 @@ def non_embedding_params(model) -> int:
 
 
 def bench_prefill(model, tokenizer, lengths: list[int], repeats: int) -> None:
-    backend = CpuAttentionBackend()
     params = non_embedding_params(model)
     print(f"non-embedding parameters: {params / 1e6:.1f} M")
     for n in lengths:
         ids = text_ids(tokenizer, n)
         samples = {key: [] for key in SETTINGS}
         for key, setting in SETTINGS.items():   # warm-up
-            use_setting(model, setting)
-            prefill(model, ids, backend)
+            prefill(model, ids, use_setting(model, setting))
         for _ in range(repeats):
             for key, setting in SETTINGS.items():
-                use_setting(model, setting)
+                backend = use_setting(model, setting)
                 start = time.perf_counter()
                 prefill(model, ids, backend)
                 samples[key].append(time.perf_counter() - start)
@@ -126,13 +133,13 @@ def bench_prefill(model, tokenizer, lengths: list[int], repeats: int) -> None:
             print(f"P={n:5d} {key} vs float32 activations: {med['float32 act'] / med[key]:.2f}x faster")
 
 
-def greedy_outputs(model, tokenizer, cfg, max_tokens: int) -> list[list[int]]:
+def greedy_outputs(model, tokenizer, cfg, max_tokens: int, backend) -> list[list[int]]:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
     from pagedserve.sampling_params import SamplingParams
 
     engine, _ = build_engine(EngineConfig(device="cpu", enforce_eager=True, num_kv_blocks=256), model=model,
-                             tokenizer=tokenizer, hf_config=cfg)
+                             tokenizer=tokenizer, hf_config=cfg, backend=backend)
     for i, p in enumerate(QUICK_PROMPTS):
         engine.add_request(f"r{i}", chat_prompt_ids(tokenizer, p),
                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -146,8 +153,7 @@ def greedy_outputs(model, tokenizer, cfg, max_tokens: int) -> list[list[int]]:
 def bench_greedy(model, tokenizer, cfg, max_tokens: int) -> None:
     outs = {}
     for key, setting in SETTINGS.items():
-        use_setting(model, setting)
-        outs[key] = greedy_outputs(model, tokenizer, cfg, max_tokens)
+        outs[key] = greedy_outputs(model, tokenizer, cfg, max_tokens, use_setting(model, setting))
     a = outs["float32 act"]
     for key in list(SETTINGS)[1:]:
         b = outs[key]
