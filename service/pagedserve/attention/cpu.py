@@ -38,17 +38,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
     elementwise = CPU_OPS
 
     def __init__(self, prefill_dtype: torch.dtype | None = None):
+        """``prefill_dtype``: None (prefill attention in the query's dtype), or bfloat16: float32 prefill rows' SDPA
+        on bf16 q/k/v with fp32 accumulation (see :func:`use_bf16_prefill_attention`). The KV cache and decode rows
+        are unaffected."""
         super().__init__()
-        #: None (prefill attention in the query's dtype), or bfloat16: float32 prefill rows' SDPA on bf16 q/k/v with
-        #: fp32 accumulation (see :func:`use_bf16_prefill_attention`). The KV cache and decode rows are unaffected.
         self.prefill_dtype = prefill_dtype
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
         nd = meta.num_decode_seqs
-        if nd == 0 and self.prefill_dtype is not None and query.dtype == torch.float32:
-            self._write_kv(query, key, value, k_cache, v_cache, meta)
-            return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]),
-                                       key, value, self._workspace, self.prefill_dtype)
         if nd == 0 or query.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or query.shape[-1] % 8 or \
                 query.device.type != "cpu":
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)

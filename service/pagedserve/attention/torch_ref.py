@@ -146,9 +146,9 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         key, value: optional ``[T, num_kv_heads, head_dim]`` new rows; a prefill chunk that is its sequence's
             whole context then reads them directly instead of gathering them back from the cache.
         workspace: gather buffers to reuse across layers and steps (a fresh one when None).
-        prefill_dtype: None, or the dtype the prefill rows' q, k and v are rounded to for SDPA (bfloat16 on CPU:
-            torch's flash kernel then multiplies on AMX / AVX512-BF16 and accumulates in fp32; the output is cast
-            back to query's dtype). Decode rows are unaffected.
+        prefill_dtype: None, or the dtype a float32 query's prefill rows' q, k and v are rounded to for SDPA
+            (bfloat16 on CPU: torch's flash kernel then multiplies on AMX / AVX512-BF16 and accumulates in fp32; the
+            output is cast back to float32). Decode rows and other query dtypes are unaffected.
 
     Returns:
         ``[T, num_heads, head_dim]``, query's dtype. Softmax is computed in fp32 for fp16/bf16 inputs on CUDA; the
@@ -189,7 +189,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             k = gather_kv(k_cache, meta.block_tables[i], ctx_len)
             v = gather_kv(v_cache, meta.block_tables[i], ctx_len)
         # 4-D inputs: torch's CPU flash kernel takes only those (3-D ones fall back to the unfused math path).
-        dtype = prefill_dtype or compute_dtype
+        dtype = prefill_dtype if prefill_dtype is not None and query.dtype == torch.float32 else compute_dtype
         o = F.scaled_dot_product_attention(
             query[a:b].transpose(0, 1)[None].to(dtype), k.transpose(0, 1)[None].to(dtype),
             v.transpose(0, 1)[None].to(dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -202,6 +202,9 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend: :func:`reshape_and_cache` then :func:`paged_attention_ref`. Runs on CPU or GPU."""
 
     name = "torch"
+    #: None, or the dtype float32 prefill rows are rounded to for SDPA (:func:`paged_attention_ref`); the cpu
+    #: backend sets bfloat16 where :func:`pagedserve.attention.cpu.use_bf16_prefill_attention` says so.
+    prefill_dtype: torch.dtype | None = None
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
@@ -211,7 +214,7 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._write_kv(query, key, value, k_cache, v_cache, meta)
         return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]),
-                                   key, value, self._workspace)
+                                   key, value, self._workspace, self.prefill_dtype)
 
     @staticmethod
     def _check_kv(query, key, value, k_cache) -> None:

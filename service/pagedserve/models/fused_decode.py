@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.base import AttentionMetadata
+from ..attention.cpu import CpuAttentionBackend
 
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -31,7 +32,7 @@ class FusedDecode:
 
     def __init__(self, model, linears: list):
         attn = model.layers[0].self_attn
-        self.model, self.num_heads, self.num_kv_heads = model, attn.num_heads, attn.num_kv_heads
+        self.num_heads, self.num_kv_heads, self.final_norm = attn.num_heads, attn.num_kv_heads, model.norm
         self.scale, self.eps = float(attn.scale), float(model.config.rms_norm_eps)
         self.max_tokens = min(m.vnni_max_tokens for m in linears)
         self.input_norms = [layer.input_layernorm for layer in model.layers]
@@ -62,14 +63,12 @@ class FusedDecode:
         return cls(model, linears)
 
     def takes(self, num_tokens: int, meta: AttentionMetadata | None, backend, kv_caches) -> bool:
-        """Whether this step runs here: eager metadata, the ``cpu`` backend with its kernels, every row a decode
-        (``num_decode_seqs == num_tokens``), at most ``max_tokens`` of them, a cache type the kernels read."""
-        from ..attention.cpu import CpuAttentionBackend, cpu_decode_kernel_available
-
+        """Whether this step runs here: eager metadata, the ``cpu`` backend, every row a decode
+        (``num_decode_seqs == num_tokens``), at most ``max_tokens`` of them, a cache type the kernels read. (The
+        kernels are loaded: :meth:`build` found VNNI panels, which only they make.)"""
         return (meta is not None and 0 < num_tokens <= self.max_tokens and meta.num_decode_seqs == num_tokens
                 and meta.num_seqs == num_tokens and type(backend) is CpuAttentionBackend
-                and kv_caches[0][0].dtype in _CACHE_DTYPES and kv_caches[0][0].device.type == "cpu"
-                and cpu_decode_kernel_available())
+                and kv_caches[0][0].dtype in _CACHE_DTYPES and kv_caches[0][0].device.type == "cpu")
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
                  cos_sin: torch.Tensor) -> torch.Tensor:
@@ -78,7 +77,7 @@ class FusedDecode:
         ``[T, hidden]`` (what :meth:`~.llama.LlamaForCausalLM.forward` returns)."""
         # the cache lists are built per call (~4 us): holding them would keep an engine's cache alive past it
         return torch.ops.pagedserve_cpu.llama_decode_layers(
-            hidden, positions, cos_sin, self.input_norms, self.post_norms, self.model.norm, self.packed, self.dw,
+            hidden, positions, cos_sin, self.input_norms, self.post_norms, self.final_norm, self.packed, self.dw,
             self.mw, self.biases, self.out_features, [m.a8_levels for m in self.linears], [kv[0] for kv in kv_caches],
             [kv[1] for kv in kv_caches], meta.slot_mapping,
             meta.block_tables, meta.context_lens, self.num_heads, self.num_kv_heads, self.eps, self.scale)
