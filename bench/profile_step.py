@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                           max_model_len=args.prompt_tokens + 2 * args.steps + 80)
     engine, _ = build_engine(config)
     totals: collections.Counter = collections.Counter()
-    runner = engine.executor.runner
+    runner = engine.executor.worker.runner
     timed(runner, "forward", "model forward", totals)
     timed(runner, "compute_logits", "LM head (logits)", totals)
     timed(Sampler, "__call__", "sampler", totals)

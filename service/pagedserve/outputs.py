@@ -4,13 +4,9 @@ the engine streams to the front ends. A leaf module: it imports only torch and t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
-
-if TYPE_CHECKING:
-    from .core.sched.output import ScheduledRequest
-    from .request import Request
 
 
 class TokenLogprobs(NamedTuple):
@@ -41,28 +37,23 @@ class VerifyOutput:
 
 
 @dataclass(slots=True)
-class StepResult:
-    """What one model step produced (:meth:`pagedserve.worker.model_runner.ModelRunner.execute`)."""
+class ModelRunnerOutput:
+    """What one step produced on the worker (:meth:`pagedserve.worker.model_runner.ModelRunner.execute`), keyed by
+    the engine's request ids (:attr:`pagedserve.scheduler_output.NewRequestData.req_id`). Plain values."""
 
-    sampled: list["ScheduledRequest"]    # the scheduled entries that sampled, in the order of `output`'s rows
-    output: SamplerOutput | VerifyOutput | None  # None when no row sampled (all prefill chunks); VerifyOutput
-                                         # (one entry per sampled request) when some request had drafts
-    prompt_logprobs: dict["Request", list[TokenLogprobs]] | None = None  # request -> this step's prompt positions
-    pooled: list["ScheduledRequest"] = field(default_factory=list)  # pooling requests whose prompt ended this step
-    pooled_hidden: torch.Tensor | None = None  # [len(pooled), hidden] float32 CPU: their last tokens' final states
-    beam_logprobs: dict["Request", torch.Tensor] | None = None  # beam search beams that sampled -> next-token
-                                         # log-softmax [vocab] float32 CPU (not in `sampled`)
-
-    def emitted(self, i: int) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """The tokens (and their logprobs) the ``i``-th sampled entry emits: one, or a verified run of drafts."""
-        out = self.output
-        if isinstance(out, VerifyOutput):
-            return out.token_ids[i], out.logprobs[i]
-        return [out.token_ids[i]], [out.logprobs[i]]
-
-    def num_accepted(self, i: int) -> int:
-        """Drafts accepted for the ``i``-th sampled entry (0 without drafts)."""
-        return self.output.num_accepted[i] if isinstance(self.output, VerifyOutput) else 0
+    req_ids: list[int] = field(default_factory=list)  # requests that sampled, in the order of the logits rows
+    sampled_token_ids: list[list[int]] = field(default_factory=list)  # per such request: its token, or a verified
+                                         # run (the accepted drafts, then the target model's own token)
+    logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)  # one per sampled token (None
+                                         # entries when not asked for)
+    num_accepted: list[int] = field(default_factory=list)  # drafts accepted per such request (0 without drafts)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # req id -> this step's prompt
+                                         # positions
+    pooled_req_ids: list[int] = field(default_factory=list)  # pooling requests whose prompt ended this step
+    pooled_hidden: torch.Tensor | None = None  # [len(pooled_req_ids), hidden] float32 CPU: their last tokens'
+                                         # final hidden states
+    beam_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # beam search requests that reached
+                                         # their next token -> its log-softmax [vocab] float32 CPU
 
 
 @dataclass(slots=True)

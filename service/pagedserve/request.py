@@ -6,17 +6,14 @@ A step that brings it level produces a new token; a step that does not is a pref
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+from .sampling_params import SamplingParams
 
-    from .beam_search.searcher import BeamGroup
-    from .core.kv_cache.block_pool import KVBlock
-    from .structured_output.grammar import GrammarMatcher
-    from .sampling_params import SamplingParams
+_seq_ids = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -44,32 +41,34 @@ class Request:
     priority: int = 0                       # lower is served first
     cache_salt: str | None = None           # extra key of the prefix-cache hash chain
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
-    generator: "torch.Generator | None" = None  # per-request RNG when params.seed is set
+    seed: int | None = None                 # the completion's own RNG seed (params.seed + index); None: shared
     parent_id: str | None = None            # the client's request id for n > 1 children
     index: int = 0                          # which of the n completions
     token_ids: list[int] = field(default_factory=list)  # prompt + output, filled in __post_init__
     num_computed_tokens: int = 0            # tokens whose KV is in the cache
     num_cached_tokens: int = -1             # prompt tokens that came from the prefix cache (-1: not yet scheduled)
-    blocks: list["KVBlock"] = field(default_factory=list)  # the block table, logical -> physical
+    blocks: list[Any] = field(default_factory=list)  # the block table, logical -> physical (core.kv_cache KVBlocks)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks (kept across preemption)
     num_registered_blocks: int = 0          # leading blocks of `blocks` already hashed into the prefix cache
     fork_parent: "Request | None" = None    # n > 1: the completion whose prompt blocks this one shares
-    num_prompt_logprobs: int = 0            # prompt positions whose logprobs were already computed
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # monotonic seconds; for queue time metrics
     pooling: bool = False                   # an embedding request: the prompt's last hidden state is the output
-    grammar: "GrammarMatcher | None" = None  # structured output: its matcher, in step with the output tokens (kept
+    grammar: Any = None                     # structured output: its GrammarMatcher, in step with the output tokens (kept
                                             # across preemption, which keeps the tokens); set once compiled
     spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts proposed for the next
                                             # step (not part of token_ids until verified); cleared by the scheduler
     spec_backoff: int = 0                   # speculative decoding: steps without drafts after an all-rejected
     spec_skip: int = 0                      # verification (doubling, see SpeculativeConfig), and steps left
-    spec_bitmask: "torch.Tensor | None" = None  # structured output with drafts: [1 + drafts, W] int32 CPU, the
+    spec_bitmask: Any = None                # structured output with drafts: [1 + drafts, W] int32 CPU, the
                                             # grammar's next-token bitmask at each draft position
-    beam: "BeamGroup | None" = None         # beam search: the group of this beam; the scheduler runs, preempts and
+    beam: Any = None                        # beam search: its BeamGroup (core.sched.beam_groups); the scheduler runs, preempts and
                                             # readmits a group's live beams (``beam.beams``) as one unit
+
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process: the id the worker and
+                                            # the step's data know it by (client ids may repeat across completions)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

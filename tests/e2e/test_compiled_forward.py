@@ -58,7 +58,7 @@ def test_info_and_policy(tiny_llama, tiny_compiled):
     from pagedserve.worker.compiled import COMPILE_BY_DEFAULT_ON_CPU, use_compiled
 
     engine, info = tiny_compiled
-    assert info.compiled and info.compile_s > 0 and engine.executor.runner.compiled.sizes == list(TINY_SIZES)
+    assert info.compiled and info.compile_s > 0 and engine.executor.worker.runner.compiled.sizes == list(TINY_SIZES)
     _, eager_info = tiny_engine(tiny_llama, enforce_eager=True)
     assert not eager_info.compiled and eager_info.compile_s is None
     backend = TorchAttentionBackend()
@@ -67,8 +67,8 @@ def test_info_and_policy(tiny_llama, tiny_compiled):
     assert use_compiled(None, backend, "cuda") is False
     with pytest.raises(RuntimeError, match="CPU only"):
         use_compiled(False, backend, "cuda")
-    assert engine.executor.runner.compiled.padded_size(1) == 4 and engine.executor.runner.compiled.padded_size(17) == 64
-    assert engine.executor.runner.compiled.padded_size(65) is None
+    assert engine.executor.worker.runner.compiled.padded_size(1) == 4 and engine.executor.worker.runner.compiled.padded_size(17) == 64
+    assert engine.executor.worker.runner.compiled.padded_size(65) is None
 
 
 @torch.inference_mode()
@@ -76,7 +76,7 @@ def test_padded_step_matches_eager_and_writes_only_its_slots(tiny_llama, tiny_co
     """A mixed step of 10 tokens (3 decodes, a 7-token chunk after a cached prefix) runs at padded size 16: hidden
     states and logits within 1e-4 of eager, the same K/V rows written, and no other cache row touched."""
     model = tiny_llama[0]
-    compiled = tiny_compiled[0].executor.runner.compiled
+    compiled = tiny_compiled[0].executor.worker.runner.compiled
     ctx, q_lens, bs, num_blocks = [9, 30, 17, 40], [1, 1, 1, 7], 16, 24
     meta = make_meta(ctx, q_lens, bs, num_blocks, "cpu", seed=3)
     caches = [make_caches(num_blocks, bs, 2, 16, torch.float32, "cpu", seed=i) for i in range(2)]
@@ -113,7 +113,7 @@ def test_mixed_workload_equals_eager_without_recompiling(tiny_llama, tiny_compil
     prompts = [[rng.randrange(2, 256) for _ in range(rng.randint(5, 150))] for _ in range(64)]
     max_tokens = [rng.randint(2, 40) for _ in range(64)]
     engine = tiny_compiled[0]
-    compiled = engine.executor.runner.compiled
+    compiled = engine.executor.worker.runner.compiled
     compiled.steps_by_size.clear()
     counts = dynamo_counts()
     ours = run_greedy(engine, prompts, max_tokens)
@@ -131,10 +131,10 @@ def test_cpu_backend_compiles_with_its_kernels_and_equals_eager(tiny_llama):
     prompts = [[rng.randrange(2, 256) for _ in range(rng.randint(5, 60))] for _ in range(11)]
     max_tokens = [rng.randint(2, 12) for _ in range(11)]
     engine, info = tiny_engine(tiny_llama, enforce_eager=False, attention_backend="cpu", sizes=(16,))
-    assert info.compiled and engine.executor.runner.compiled.backend.name == "cpu"
+    assert info.compiled and engine.executor.worker.runner.compiled.backend.name == "cpu"
     counts = dynamo_counts()
     ours = run_greedy(engine, prompts, max_tokens)
-    assert dynamo_counts() == counts and engine.executor.runner.compiled.steps_by_size[16] > 0
+    assert dynamo_counts() == counts and engine.executor.worker.runner.compiled.steps_by_size[16] > 0
     eager_engine, _ = tiny_engine(tiny_llama, enforce_eager=True, attention_backend="cpu")
     assert ours == run_greedy(eager_engine, prompts, max_tokens)
 
@@ -159,13 +159,13 @@ def test_embedded_greedy_compiled_equals_eager_and_hf(llm_parts, hf_llm):
         assert info.compiled is not enforce_eager
         outputs.append(run_greedy(engine, prompts, max_tokens))
         if not enforce_eager:
-            compiled = engine.executor.runner.compiled
+            compiled = engine.executor.worker.runner.compiled
             assert compiled.steps_by_size[8] >= 15  # the decode steps ran compiled
             ids = torch.tensor(prompts[0][:8])
             meta = make_meta([8], [8], 16, 64, "cpu", seed=0)
             with torch.inference_mode():
                 fast = model.compute_logits(compiled(ids, torch.arange(8), meta))
-                slow = model.compute_logits(model(ids, torch.arange(8), engine.executor.runner.kv_caches, meta,
+                slow = model.compute_logits(model(ids, torch.arange(8), engine.executor.worker.runner.kv_caches, meta,
                                                   compiled.backend))
                 hf = hf_llm(ids[None]).logits[0].float()
             assert (fast - slow).abs().max().item() < 1e-4
@@ -184,5 +184,5 @@ def test_model_info_says_whether_compiled(server, client):
     from pagedserve.worker.compiled import COMPILE_BY_DEFAULT_ON_CPU
 
     info = server.app.services.generation.info
-    assert client.model_info().generation.compiled == info.compiled == (server.engine.executor.runner.compiled is not None)
+    assert client.model_info().generation.compiled == info.compiled == (server.engine.executor.worker.runner.compiled is not None)
     assert info.compiled is COMPILE_BY_DEFAULT_ON_CPU

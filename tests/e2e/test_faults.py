@@ -169,7 +169,7 @@ async def _fatal_error_scenario(small) -> None:
 
         def boom(sched):
             raise RuntimeError("injected fatal fault")
-        small.engine.executor.runner.execute = boom
+        small.engine.executor.worker.runner.execute = boom
         for call in calls:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 while await call.read() is not grpc.aio.EOF:

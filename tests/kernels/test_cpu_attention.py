@@ -180,7 +180,7 @@ def test_float16_kv_cache_engine(llm_parts):
         config = EngineConfig(device="cpu", dtype="float32", attention_backend="cpu", kv_cache_dtype=kv,
                               kv_cache_memory_bytes=32 << 20, enforce_eager=True)
         engine, info = build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg)
-        runs[kv] = (info, engine.executor.runner.kv_caches[0][0].dtype, _greedy(engine, prompts, 16))
+        runs[kv] = (info, engine.executor.worker.runner.kv_caches[0][0].dtype, _greedy(engine, prompts, 16))
     (info32, dtype32, out32), (info16, dtype16, out16) = runs["auto"], runs["float16"]
     assert (dtype32, dtype16) == (torch.float32, torch.float16)
     assert (info32.kv_cache_dtype, info16.kv_cache_dtype) == ("float32", "float16")
@@ -206,4 +206,4 @@ def test_kv_cache_dtype_is_checked():
 def test_model_info_reports_the_kv_cache_dtype(server, client):
     """GetModelInfo.generation.kv_cache_dtype is the cache's element type (the session server: auto -> float32)."""
     assert client.model_info().generation.kv_cache_dtype == "float32"
-    assert server.engine.executor.runner.kv_caches[0][0].dtype == torch.float32
+    assert server.engine.executor.worker.runner.kv_caches[0][0].dtype == torch.float32

@@ -15,7 +15,7 @@ import graph_cases as gc
 import kernel_cases as kc
 from pagedserve.attention.cuda import CudaAttentionBackend
 from pagedserve.attention.torch_ref import TorchAttentionBackend
-from pagedserve.engine.builder import capture_cuda_graphs
+from pagedserve.worker.cuda_graphs import capture_cuda_graphs
 from pagedserve.worker.compiled import COMPILE_BY_DEFAULT_ON_CPU, use_compiled
 from pagedserve.worker.cuda_graphs import CudaGraphForward
 from pagedserve.sampling_params import SamplingParams
@@ -114,7 +114,7 @@ def graph_engine(sim, tiny, sizes=(1, 2, 4, 8), **overrides):
     model, cfg, tokenizer = tiny
     engine, info = gc.build(model, cfg, tokenizer, gc.engine_config("cpu", True, 8, **overrides),
                             backend=CudaAttentionBackend())
-    runner = engine.executor.runner
+    runner = engine.executor.worker.runner
     runner.compiled = CudaGraphForward(model, runner.backend, runner.kv_caches, info.max_model_len,
                                        runner.block_size, sizes, graph_factory=functools.partial(gc.HostReplay, sim))
     runner.compiled.warm_up()
@@ -132,7 +132,7 @@ def test_graph_replay_greedy_equals_eager(sim, tiny):
     expected = gc.greedy_tokens(eager, prompts, 8)
     engine = graph_engine(sim, tiny)
     assert gc.greedy_tokens(engine, prompts, 8) == expected
-    graphs = engine.executor.runner.compiled
+    graphs = engine.executor.worker.runner.compiled
     assert graphs.steps_by_size[8] > 0 and graphs.steps_by_size[4] > 0 and graphs.num_eager_steps > 0
     assert len({tuple(t) for t in expected.values()}) > 1, "outputs should depend on the prompt"
 
@@ -150,7 +150,7 @@ def test_graph_replay_with_preemption_and_n(sim, tiny):
     expected = gc.greedy_tokens(eager, prompts, 0, params=params)
     engine = graph_engine(sim, tiny, **small)
     assert gc.greedy_tokens(engine, prompts, 0, params=params) == expected
-    assert engine.scheduler.num_preemptions > 0 and sum(engine.executor.runner.compiled.steps_by_size.values()) > 0
+    assert engine.scheduler.num_preemptions > 0 and sum(engine.executor.worker.runner.compiled.steps_by_size.values()) > 0
 
 
 @needs_sim
@@ -160,7 +160,7 @@ def test_padded_rows_write_no_kv_and_match_eager(sim, tiny):
     caches change only at the 3 sequences' slots (the padded row has slot -1)."""
     model, *_ = tiny
     engine = graph_engine(sim, tiny)
-    runner, graphs = engine.executor.runner, engine.executor.runner.compiled
+    runner, graphs = engine.executor.worker.runner, engine.executor.worker.runner.compiled
     for k, v in runner.kv_caches:
         k.normal_(), v.normal_()
     ctx, tables = [5, 20, 33], [[0, 0, 0], [1, 2, 0], [3, 4, 5]]
@@ -192,7 +192,7 @@ def test_failed_capture_falls_back_to_eager(sim, tiny):
     None (the engine runs eager); with enforce_eager False start-up fails."""
     model, cfg, tokenizer = tiny
     engine, info = gc.build(model, cfg, tokenizer, gc.engine_config("cpu", True, 2), backend=CudaAttentionBackend())
-    runner = engine.executor.runner
+    runner = engine.executor.worker.runner
     for enforce_eager in (None, False):
         config = gc.engine_config("cpu", enforce_eager, 2)
         call = functools.partial(capture_cuda_graphs, config, model, runner.backend, runner.kv_caches,

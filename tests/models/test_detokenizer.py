@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, _CleanupStream
+from pagedserve.core.detokenizer import IncrementalDetokenizer, _CleanupStream
 from pagedserve.sampling_params import SamplingParams
 
 TEXTS = [

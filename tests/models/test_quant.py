@@ -164,7 +164,7 @@ def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     if path == "served":
         engine, info = build_engine(EngineConfig(device="cpu", num_kv_blocks=8), model=llm_int4, tokenizer=tokenizer,
                                     hf_config=cfg)
-        backend = engine.executor.runner.backend
+        backend = engine.executor.worker.runner.backend
         assert info.prefill_attention_dtype == ("bfloat16" if bf16_matmul_available() else None)
     use_amx(llm_int4, llm_int4.amx_min_tokens if path in ("as built", "served") else 0)
     use_dequantized_gemm(llm_int4, 0 if path in ("int8 x2", "vnni x2") else llm_int4.dq_min_tokens)

@@ -1,26 +1,25 @@
 """The synchronous engine: requests in, one ``step()`` at a time, per-completion deltas out.
 
-``step()`` in vLLM v1's shape: schedule -> execute (forward + sampling) -> ``scheduler.update_from_output``
-(append tokens, stop tokens, length, draft rollback) -> output processor (detokenize, stop strings, usage,
-deltas). The asyncio front (:mod:`pagedserve.engine.async_engine`) runs it on its own thread.
+``step()`` in vLLM v1's shape, plain data between the stages: ``scheduler.schedule()`` -> ``SchedulerOutput`` ->
+``executor.execute`` (forward + sampling on the worker) -> ``ModelRunnerOutput`` -> ``scheduler.update_from_output``
+(tokens, stop tokens and strings, length, draft rollback: every finish decided there) -> the output processor
+(deltas and usage). The asyncio front (:mod:`pagedserve.engine.async_engine`) runs it on its own thread.
 """
 from __future__ import annotations
 
-import time
-
-from ..beam_search.searcher import BeamSearcher
 from ..config import EngineConfig
+from ..core.detokenizer import IncrementalDetokenizer
 from ..core.kv_cache.manager import KVCacheManager
+from ..core.sched.beam_groups import BeamGroups
+from ..core.sched.drafts import Drafter
 from ..core.sched.scheduler import Scheduler
+from ..core.sched.stop import OutputText
 from ..errors import DuplicateRequestError, QueueFullError
 from ..executor.base import Executor
 from ..outputs import CompletionDelta
 from ..request import Request, RequestStatus
-from ..sample.sampler import make_generator
 from ..sampling_params import SamplingParams
-from ..spec_decode import Drafter
 from ..structured_output.manager import StructuredOutputManager
-from .detokenizer import IncrementalDetokenizer
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor, RequestGroup
 
@@ -51,15 +50,24 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold, config.max_waiting_requests, max_model_len)
+                                   config.long_prefill_token_threshold, config.max_waiting_requests, max_model_len,
+                                   text=OutputText(tokenizer))
         self.inputs = InputProcessor(vocab_size, max_model_len, config.max_logprobs)
-        self.outputs = OutputProcessor(tokenizer, self.scheduler.finish)
+        self.outputs = OutputProcessor()
         self.structured = StructuredOutputManager(tokenizer, eos_token_ids)  # compiles off this thread
         speculative = config.speculative()
         self.drafter = Drafter(speculative, max_model_len) if speculative else None
-        self.beams = BeamSearcher(self.scheduler, self._detokenizer, max_model_len)
+        self.beams = self.scheduler.beams = BeamGroups(self.scheduler, self._detokenizer, max_model_len)
         self.num_steps = 0
-        self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
+
+    @property
+    def last_step_composition(self) -> dict[str, int]:
+        """Request id -> tokens computed in the latest step."""
+        return self.scheduler.last_step_composition
+
+    @last_step_composition.setter
+    def last_step_composition(self, value: dict[str, int]) -> None:
+        self.scheduler.last_step_composition = value
 
     @property
     def groups(self) -> dict[str, RequestGroup]:
@@ -93,14 +101,15 @@ class LLMEngine:
         self._check_room(params.n)
         if params.beam_search is not None:
             leader = self.beams.add(request_id, ids, params, self.eos_token_ids, priority, cache_salt or None)
-            self.outputs.add(RequestGroup(request_id, [leader], beam=leader.beam), detokenize=False)
+            self.outputs.add(RequestGroup(request_id, [leader], beam=leader.beam))
             return [leader]
         children = []
         for i in range(params.n):
-            gen = make_generator((params.seed + i) % 2 ** 64) if params.seed is not None else None
+            seed = (params.seed + i) % 2 ** 64 if params.seed is not None else None
             children.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, max_tokens,
                                     self.eos_token_ids, priority=priority, cache_salt=cache_salt or None,
-                                    generator=gen, parent_id=request_id, index=i))
+                                    seed=seed, parent_id=request_id, index=i))
+            self.scheduler.text.add(children[-1])
         group = RequestGroup(request_id, children)
         compiled = None
         if params.structured_output is not None:
@@ -129,7 +138,7 @@ class LLMEngine:
         self._check_room(1)
         req = Request(request_id, ids, _POOLING_PARAMS, 1, frozenset(), priority=priority,
                       cache_salt=cache_salt or None, parent_id=request_id, pooling=True)
-        self.outputs.add(RequestGroup(request_id, [req]), detokenize=False)
+        self.outputs.add(RequestGroup(request_id, [req]))
         self.scheduler.add_request(req)
         return req
 
@@ -158,6 +167,7 @@ class LLMEngine:
                 self._schedule_group(group, compiled)
             for child in live if error is not None else ():
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                self.scheduler.text.finish(child, flush=False)
                 deltas.append(self.outputs.finish_delta(child, CompletionDelta(group.request_id, child.index,
                                                                                error=error)))
         return deltas
@@ -177,7 +187,8 @@ class LLMEngine:
             for req in group.children:
                 if not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                    deltas.append(self.outputs.finish_delta(req, CompletionDelta(rid, req.index)))
+                    text = self.scheduler.text.finish(req)
+                    deltas.append(self.outputs.finish_delta(req, CompletionDelta(rid, req.index, text)))
         return aborted, deltas
 
     def has_unfinished(self) -> bool:
@@ -193,16 +204,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return early
-        self._note_scheduled(sched)
+        self.structured.grammar_bitmask(sched, self.scheduler.requests)
         result = self.executor.execute(sched)
-        updates = self.scheduler.update_from_output(sched, result)
+        outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
-        self.beams.on_preempted(sched.preempted)
-        deltas = self.outputs.process(result, updates)
         if self.drafter is not None:
-            self.drafter.record(updates)
-        if result.beam_logprobs:
-            deltas += self._process_beams(result.beam_logprobs)
+            self.drafter.record(outputs.updates)
+        deltas = self.outputs.process(outputs)
         return early + deltas if early else deltas
 
     def _admit_waiting_grammars(self) -> list[CompletionDelta]:
@@ -211,21 +219,6 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self.structured.wait(0.05)
         return self._admit_compiled()
-
-    def _note_scheduled(self, sched) -> None:
-        now = time.monotonic()
-        for s in sched.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-        self.last_step_composition = {s.request.request_id: s.num_new_tokens for s in sched.scheduled}
-
-    def _process_beams(self, rows) -> list[CompletionDelta]:
-        """Beam groups step on their logprob rows; the ones that ended leave ``groups``."""
-        deltas = self.beams.process(rows)
-        for d in deltas:
-            if d.usage is not None:
-                self.groups.pop(d.request_id, None)
-        return deltas
 
     # ---- introspection and lifetime ----------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -1,10 +1,10 @@
 """Rank 0 of tensor parallelism: the server process's shard of the model, fronting the workers.
 
-:class:`TensorParallelExecutor` implements the executor interface (:mod:`.base`), so the model runner does not
-know the model is split: before rank 0's shard runs a step or the LM head, it broadcasts the inputs (CPU tensors,
-pickled on the gloo control group) and every worker runs the same call on its shard, joining the collectives. The
-scheduler, KV block accounting and sampler stay on rank 0 only; the block tables it builds index every rank's
-cache, since all ranks allocate the same number of blocks.
+:class:`TensorParallelExecutor` implements the executor interface (:mod:`.base`): each step is one broadcast of
+the plain :class:`~pagedserve.scheduler_output.SchedulerOutput` (pickled on the gloo control group), after which
+every rank's worker runs the same step on its shard, joining the collectives; only rank 0's worker samples. The
+scheduler and KV block accounting stay on rank 0; the block tables index every rank's cache, since all ranks
+allocate the same number of blocks.
 
 Faults: a dead worker process is seen before the next step (``is_alive``) or by a failing collective, a hung one
 by the collective timeout (``collective_timeout_s``); the call then raises :class:`TensorParallelError`, the
@@ -26,7 +26,11 @@ import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..models.layers import TPGroup, split_heads
+from ..outputs import ModelRunnerOutput
+from ..scheduler_output import SchedulerOutput
 from ..worker import tp_group as group
+from ..worker.device import resolve_dtype
+from ..worker.worker import Worker
 from .base import Executor
 from ..worker.tp_worker import WorkerSpec, agree_num_blocks, build_shard, check_quantization, meta_to, rank_device, \
     worker_main
@@ -40,35 +44,37 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelExecutor(Executor):
-    """Rank 0's shard (``model``) plus the workers: each step's inputs are broadcast before rank 0 runs its own
-    shard, so every rank makes the same calls.
+    """Rank 0's worker plus the worker processes: each step's scheduler output is broadcast before rank 0 runs it,
+    so every rank makes the same calls.
 
     Args:
-        model: rank 0's shard. control: the gloo control group. processes: the spawned workers ([] under torchrun).
-        size: tensor_parallel_size.
+        worker: rank 0's worker. dtype: the model's dtype. control: the gloo control group. processes: the spawned
+        workers ([] under torchrun). size: tensor_parallel_size.
     """
 
-    def __init__(self, model, control, processes: list, size: int):
-        super().__init__(model, size)
+    def __init__(self, worker: Worker, dtype: torch.dtype, control, processes: list, size: int):
+        super().__init__(worker, dtype, size)
         self.control, self.processes, self.size = control, processes, size
         self.failed: BaseException | None = None
         self.closed = False
         atexit.register(self.close)
 
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One broadcast of ``sched``, then rank 0's step (the workers run theirs)."""
+        self._send(("step", sched))
+        return self._guard(self.worker.execute, sched)
+
     def execute_model(self, input_ids, positions, kv_caches, meta, backend):
+        """One bare forward on every rank (outside the step path: tests, profiling); rank 0's hidden states."""
         cpu = torch.device("cpu")
         self._send(("forward", input_ids.cpu(), positions.cpu(), meta_to(meta, cpu)))
         return self._guard(self.model, input_ids, positions, kv_caches, meta, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Rank 0's gathered float32 ``[N, vocab]`` logits (every worker runs its LM head shard on ``hidden``)."""
+        """Rank 0's gathered float32 ``[N, vocab]`` logits (every worker runs its LM head shard on ``hidden``;
+        outside the step path, as :meth:`execute_model`)."""
         self._send(("logits", hidden.cpu()))
         return self._guard(self.model.compute_logits, hidden)
-
-    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
-        """Every worker copies KV blocks ``(src, dst)`` in its own caches, then rank 0 in its own."""
-        self._send(("copy", list(block_copies)))
-        self.runner.backend.copy_blocks(self.runner.kv_caches, block_copies)
 
     def agree_num_kv_blocks(self, num_blocks: int) -> int:
         """KV blocks every rank allocates: the minimum of ``num_blocks`` (rank 0's) and each worker's limit."""
@@ -183,4 +189,5 @@ def start_tensor_parallel(config: EngineConfig, hf_config, init_method: str | No
             dist.destroy_process_group()
         raise TensorParallelError(f"tensor-parallel start-up failed: {exc}") from exc
     log.info("tensor_parallel_ready", size=size, backend=dist.get_backend(), worker_pids=[p.pid for p in processes])
-    return TensorParallelExecutor(model, control, processes, size)
+    dtype = resolve_dtype(config.dtype, device)
+    return TensorParallelExecutor(Worker(model, config, device, dtype=dtype), dtype, control, processes, size)

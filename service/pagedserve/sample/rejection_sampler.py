@@ -5,7 +5,7 @@ import torch
 
 from ..outputs import VerifyOutput
 from .ops.logprobs import row_logprobs
-from .ops.topk_topp import distribution
+from .ops.topk_topp import SamplingTensors, distribution
 from .sampler import Sampler, SamplingRow, process_logits
 
 
@@ -16,7 +16,8 @@ class RejectionSampler:
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
 
-    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]) -> VerifyOutput:
+    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+               tensors: SamplingTensors | None = None) -> VerifyOutput:
         """Speculative decoding's verification: per request, the drafts the target model accepts plus one token.
 
         Rejection sampling with the draft as a point mass (Leviathan et al. 2023, Chen et al. 2023: with a draft
@@ -37,6 +38,7 @@ class RejectionSampler:
             rows: ``R`` rows: each request's :class:`SamplingRow` per position, ``output_token_ids`` extended by the
                 drafts before that position and ``grammar`` the mask at that position.
             drafts: the draft token ids of each request.
+            tensors: the rows' settings (None: built from ``rows``).
 
         Returns:
             :class:`VerifyOutput`: per request the emitted tokens (the accepted drafts, then the target model's
@@ -56,7 +58,9 @@ class RejectionSampler:
         dist = None
         if rand:
             rand_idx = torch.tensor(rand, device=device)
-            dist = distribution(processed if len(rand) == len(rows) else processed[rand_idx], [rows[i] for i in rand])
+            every = len(rand) == len(rows)
+            sub = None if tensors is None else tensors if every else tensors.select(rand_idx)
+            dist = distribution(processed if every else processed[rand_idx], [rows[i] for i in rand], sub)
             unseeded = [k for k, i in enumerate(rand) if rows[i].generator is None]
             if unseeded:  # rows whose uniforms come from the shared generator: all drawn at once
                 u_idx = torch.tensor(unseeded, device=device)

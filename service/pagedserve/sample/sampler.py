@@ -43,7 +43,7 @@ from ..sampling_params import SamplingParams
 from .ops.bitmask import apply_grammars, keep_some_allowed
 from .ops.logprobs import row_logprobs
 from .ops.penalties import apply_logits_processors
-from .ops.topk_topp import distribution
+from .ops.topk_topp import SamplingTensors, distribution
 
 
 @dataclass
@@ -76,8 +76,10 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Args: logits ``[B, V]`` (fp32; other float dtypes are converted), rows: ``B`` rows, in logits order.
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 tensors: SamplingTensors | None = None) -> SamplerOutput:
+        """Args: logits ``[B, V]`` (fp32; other float dtypes are converted), rows: ``B`` rows, in logits order,
+        tensors: their settings (the worker's persistent ones; None: built from ``rows``).
         The logits tensor is not modified. Raises ValueError when the shapes disagree."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
@@ -87,7 +89,7 @@ class Sampler:
         if not rand:
             token_ids = processed.argmax(dim=-1)
         elif len(rand) == len(rows):
-            token_ids = self._sample(processed, rows)
+            token_ids = self._sample(processed, rows, tensors)
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=raw.device)
             greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -95,13 +97,15 @@ class Sampler:
                 greedy_idx = torch.tensor(greedy, device=raw.device)
                 token_ids[greedy_idx] = processed[greedy_idx].argmax(dim=-1)
             rand_idx = torch.tensor(rand, device=raw.device)
-            token_ids[rand_idx] = self._sample(processed[rand_idx], [rows[i] for i in rand])
+            token_ids[rand_idx] = self._sample(processed[rand_idx], [rows[i] for i in rand],
+                                               None if tensors is None else tensors.select(rand_idx))
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=row_logprobs(raw, token_ids, rows))
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+                tensors: SamplingTensors | None) -> torch.Tensor:
         """Temperature, top-k / top-p / min-p, inverse transform; ``logits`` ``[n, V]`` (not modified).
         Tokens masked to ``-inf`` (structured output) have probability 0 and are never picked."""
-        dist = distribution(logits, rows)
+        dist = distribution(logits, rows, tensors)
         return dist.pick(self.uniforms(rows, logits.device))
 
     def uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:

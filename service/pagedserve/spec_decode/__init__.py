@@ -6,10 +6,10 @@ Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Deco
 - :mod:`.proposer`: the :class:`Proposer` interface (a draft-model proposer implements the same method) and
   :class:`NgramProposer` (prompt lookup decoding, Saxena 2023; vLLM's ``ngram`` method).
 - :mod:`.grammar`: per-draft-position structured-output masks.
-- :mod:`.drafter`: the engine side (drafts before a step, back-off after rejections, acceptance counts).
+- :mod:`pagedserve.core.sched.drafts`: the scheduler's side (drafts before a step, back-off after rejections,
+  acceptance counts).
 - The verification itself is :meth:`pagedserve.sample.rejection_sampler.RejectionSampler.verify`.
 """
-from .drafter import Drafter
 from .proposer import NgramProposer, Proposer, build_proposer
 
-__all__ = ["Drafter", "NgramProposer", "Proposer", "build_proposer"]
+__all__ = ["NgramProposer", "Proposer", "build_proposer"]

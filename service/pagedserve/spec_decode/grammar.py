@@ -39,16 +39,3 @@ def _allowed(row: torch.Tensor, token: int) -> bool:
     word = token // 32
     return word < row.shape[0] and bool((int(row[word]) >> (token % 32)) & 1)
 
-
-class MaskRow:
-    """A precomputed bitmask row that stands in for a matcher in :func:`~pagedserve.structured_output.
-    grammar.fill_bitmasks` (it copies the row instead of asking a grammar)."""
-
-    __slots__ = ("row", "num_words")
-
-    def __init__(self, row: torch.Tensor):
-        self.row = row              # [W] int32 CPU
-        self.num_words = row.shape[0]
-
-    def fill_bitmask(self, out: torch.Tensor) -> None:
-        out.copy_(self.row)

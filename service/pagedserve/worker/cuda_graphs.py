@@ -27,6 +27,7 @@ import structlog
 import torch
 
 from ..attention.base import AttentionBackend, AttentionMetadata
+from ..config import EngineConfig
 from .compiled import DEFAULT_COMPILE_SIZES, PaddedForward
 
 log = structlog.get_logger(__name__)
@@ -189,3 +190,21 @@ class CudaGraphForward(PaddedForward):
         log.info("cuda_graphs_captured", sizes=self.sizes, capture_s=round(self.compile_s, 2),
                  max_blocks_per_seq=self.max_blocks)
         return self.compile_s
+
+
+def capture_cuda_graphs(config: EngineConfig, model, backend, kv_caches, max_model_len: int,
+                        sizes=None) -> CudaGraphForward | None:
+    """CUDA graphs of decode steps for the padded batch sizes up to the first one >= ``max_num_seqs`` (no larger
+    decode batch can be scheduled). A failed capture fails start-up under ``enforce_eager=False``; with the
+    default (None) it is logged and the engine runs eager (returns None)."""
+    sizes = sorted(set(sizes or DEFAULT_COMPILE_SIZES))
+    sizes = [s for s in sizes if s < config.max_num_seqs] + [s for s in sizes if s >= config.max_num_seqs][:1]
+    graphs = CudaGraphForward(model, backend, kv_caches, max_model_len, config.block_size, sizes)
+    try:
+        graphs.warm_up()
+    except Exception as exc:
+        if config.enforce_eager is False:
+            raise
+        log.warning("cuda_graphs_failed", error=str(exc), fallback="eager")
+        return None
+    return graphs

@@ -1,131 +1,143 @@
-"""Turns a scheduler step into flat batch tensors, runs the model and samples.
+"""One step on one rank: scheduler output in, :class:`~pagedserve.outputs.ModelRunnerOutput` out.
 
 The step's new tokens are laid end to end, decodes (one new token) first, then prefill chunks; for each sequence
 the input batch (:mod:`.input_batch`) gives positions, slot mapping, its block table row and context length (see
-:mod:`pagedserve.attention.base`). Logits are computed only for the rows that sample.
+:mod:`pagedserve.attention.base`). Logits are computed only for the rows that sample (and for prompt logprobs).
+Under tensor parallelism every rank runs the same calls (the forward's and the LM head's collectives); only the
+driver (rank 0), which gets the gathered logits, samples.
 """
 from __future__ import annotations
 
 import torch
 
 from ..attention.base import AttentionBackend
-from ..core.sched.output import ScheduledRequest, SchedulerOutput
-from ..outputs import StepResult, TokenLogprobs
-from ..request import Request
+from ..outputs import ModelRunnerOutput, TokenLogprobs
 from ..sample.ops.logprobs import compute_logprobs
 from ..sample.rejection_sampler import RejectionSampler
 from ..sample.sampler import Sampler
-from .input_batch import InputBatch
+from ..scheduler_output import SchedulerOutput
+from .input_batch import InputBatch, StepEntry
 
 
 PROMPT_LOGPROBS_CHUNK_ROWS = 256  # logits rows materialized at once for prompt logprobs ([rows, vocab] fp32)
 
 
 class ModelRunner:
-    """Builds each step's batch, runs the forward and LM head through its executor, and samples.
+    """Keeps the requests' state, builds each step's batch, runs the forward and the LM head, and samples.
 
     Args:
-        forward: ``forward(input_ids, positions, kv_caches, meta, backend) -> hidden`` (the executor's
-            ``execute_model``: the model contract's call, on every rank).
-        compute_logits: ``compute_logits(hidden) -> logits`` float32 (the executor's).
+        model: this rank's model (:class:`pagedserve.models.interface.CausalLM`).
         backend: the attention backend.
-        kv_caches: this process's KV tensors (:func:`pagedserve.worker.kv_tensors.allocate_kv_caches`).
+        kv_caches: this rank's KV tensors (:func:`pagedserve.worker.kv_tensors.allocate_kv_caches`).
         block_size: tokens per KV block.
         device: where the model runs.
         seed: seed of the sampler's generator shared by requests without a seed of their own (None: from the OS).
+        is_driver: rank 0 (it samples); other ranks only join the collectives.
     """
 
-    def __init__(self, forward, compute_logits, backend: AttentionBackend, kv_caches, block_size: int, device,
-                 seed: int | None = None):
-        self.forward = forward
-        self.compute_logits = compute_logits
+    def __init__(self, model, backend: AttentionBackend, kv_caches, block_size: int, device, seed: int | None = None,
+                 is_driver: bool = True):
+        self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
+        self.is_driver = is_driver
         self.input_batch = InputBatch(block_size, self.device)
         self.sampler = Sampler(seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.compiled = None  # a CompiledForward (worker.compiled, CPU) or CudaGraphForward (worker.cuda_graphs,
                               # CUDA) when the forward runs compiled; None: eager
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Run one step (the executor has done its KV block copies): forward over all scheduled tokens; logits
-        and sampling for the rows that sample, the final hidden state for pooling requests whose prompt is
-        complete."""
-        # Decodes first, longest context first (attention backends group decodes of similar length); then the
-        # prefill chunks in scheduling order (the sort is stable).
-        entries = sorted(sched.scheduled, key=lambda e: (e.num_new_tokens != 1,
-                                                         -e.request.num_computed_tokens if e.num_new_tokens == 1 else 0))
-        input_ids, positions, meta = self.input_batch.prepare(entries)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The model over the step's tokens: ``[T]`` ids and positions -> ``[T, hidden]`` final hidden states."""
         if self.compiled is not None:  # padded to a compiled size; hidden keeps only the step's rows
-            hidden = self.compiled(input_ids, positions, meta)
-        else:
-            hidden = self.forward(input_ids, positions, self.kv_caches, meta, self.backend)
-        prompt_lps = self._prompt_logprobs(entries, hidden)
-        sampled, sample_rows, pooled, pooled_rows, pos = [], [], [], [], 0
+            return self.compiled(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head: float32 ``[N, vocab]`` (None on ranks other than the driver)."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step: copy-on-write block copies, the forward over all scheduled tokens; logits and sampling for
+        the rows that sample, the final hidden state for pooling requests whose prompt is complete. Returns None on
+        ranks other than the driver."""
+        self.input_batch.update_states(sched)
+        if sched.block_copies:
+            self.backend.copy_blocks(self.kv_caches, sched.block_copies)
+        entries = self.input_batch.entries(sched)
+        input_ids, positions, meta = self.input_batch.prepare(entries)
+        hidden = self.forward(input_ids, positions, meta)
+        out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(entries, hidden))
+        sampled, sample_rows, pooled_rows, beams, beam_rows, pos = [], [], [], [], [], 0
         for e in entries:
             pos += e.num_new_tokens
-            if e.samples:
-                (pooled if e.request.pooling else sampled).append(e)
-                if e.request.pooling:
-                    pooled_rows.append(pos - 1)
-                else:  # with drafts: the last known token's row and each draft's row
-                    sample_rows.extend(range(pos - 1 - len(e.draft_token_ids), pos))
-        pooled_hidden = None
-        if pooled:  # last-token pooling over the final (normed) hidden states: HF's last_hidden_state[:, -1]
-            pooled_hidden = hidden[torch.tensor(pooled_rows, device=hidden.device)].float().cpu()
-        beam_lps = None
-        if any(e.request.beam is not None for e in sampled):  # (beams have no drafts: one row each)
-            beam_lps, sampled, sample_rows = self._beam_logprobs(hidden, sampled, sample_rows)
-        if not sampled:
-            return StepResult([], None, prompt_lps, pooled, pooled_hidden, beam_lps)
-        logits = self.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            if not e.samples:
+                continue
+            if e.state.pooling:
+                out.pooled_req_ids.append(e.state.req_id)
+                pooled_rows.append(pos - 1)
+            elif e.state.beam:   # (beams have no drafts: one row each)
+                beams.append(e.state.req_id)
+                beam_rows.append(pos - 1)
+            else:  # with drafts: the last known token's row and each draft's row
+                sampled.append(e)
+                sample_rows.extend(range(pos - 1 - len(e.draft_token_ids), pos))
+        if pooled_rows:  # last-token pooling over the final (normed) hidden states: HF's last_hidden_state[:, -1]
+            out.pooled_hidden = hidden[self._index(pooled_rows)].float().cpu()
+        if beam_rows:  # the full next-token log-softmax (fp32, as HF's beam search computes it)
+            logits = self.compute_logits(hidden[self._index(beam_rows)])
+            if logits is not None:
+                out.beam_logprobs = dict(zip(beams, torch.log_softmax(logits.float(), dim=-1).cpu()))
+        if sampled:
+            logits = self.compute_logits(hidden[self._index(sample_rows)])
+            if self.is_driver:
+                self._sample(logits, sampled, sched, out)
+        return out if self.is_driver else None
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, device=self.device)
+
+    def _sample(self, logits: torch.Tensor, sampled: list[StepEntry], sched: SchedulerOutput,
+                out: ModelRunnerOutput) -> None:
+        batch = self.input_batch
+        out.req_ids = [e.state.req_id for e in sampled]
         if any(e.draft_token_ids for e in sampled):
-            output = self.rejection_sampler.verify(logits, InputBatch.verify_rows(sampled),
-                                                   [e.draft_token_ids for e in sampled])
-        else:
-            output = self.sampler(logits, self.input_batch.sampling_rows(sampled))
-        return StepResult(sampled, output, prompt_lps, pooled, pooled_hidden, beam_lps)
+            counts = [1 + len(e.draft_token_ids) for e in sampled]
+            verified = self.rejection_sampler.verify(logits, batch.verify_rows(sampled, sched),
+                                                     [e.draft_token_ids for e in sampled],
+                                                     batch.sampling_tensors(sampled, counts))
+            out.sampled_token_ids, out.logprobs = verified.token_ids, verified.logprobs
+            out.num_accepted = verified.num_accepted
+            return
+        result = self.sampler(logits, batch.sampling_rows(sampled, sched), batch.sampling_tensors(sampled))
+        out.sampled_token_ids = [[t] for t in result.token_ids]
+        out.logprobs = [[lp] for lp in result.logprobs]
+        out.num_accepted = [0] * len(sampled)
 
-    def _beam_logprobs(self, hidden: torch.Tensor, sampled: list[ScheduledRequest], sample_rows: list[int]):
-        """Split beam search rows off: their full next-token log-softmax (fp32, as HF's beam search computes it)
-        keyed by request; returns (that, the other sampled entries, their hidden-state rows)."""
-        beam_rows, rest, rest_rows, k = [], [], [], 0
-        for e in sampled:
-            n = 1 + len(e.draft_token_ids)
-            if e.request.beam is not None:
-                beam_rows.append(sample_rows[k])
-            else:
-                rest.append(e)
-                rest_rows.extend(sample_rows[k:k + n])
-            k += n
-        logits = self.compute_logits(hidden[torch.tensor(beam_rows, device=hidden.device)])
-        lps = torch.log_softmax(logits.float(), dim=-1).cpu()
-        beams = [e.request for e in sampled if e.request.beam is not None]
-        return dict(zip(beams, lps)), rest, rest_rows
-
-    def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor):
+    def _prompt_logprobs(self, entries: list[StepEntry], hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
         """Logprobs of prompt tokens 1..P-1 computed in this step, for requests that asked (``prompt_logprobs=k``).
 
         Row ``p`` of the chunk (position ``p``) predicts prompt token ``p + 1``. Positions already reported (a
-        recompute after preemption) are skipped via ``request.num_prompt_logprobs``.
+        recompute after preemption) are skipped via the state's ``num_prompt_logprobs``.
         """
-        out: dict[Request, list[TokenLogprobs]] = {}
+        out: dict[int, list[TokenLogprobs]] = {}
         row = 0
         for e in entries:
-            req, k = e.request, e.request.params.prompt_logprobs
-            start, end = req.num_computed_tokens, req.num_computed_tokens + e.num_new_tokens
-            first = max(start, req.num_prompt_logprobs)
-            last = min(end, req.num_prompt_tokens - 1)        # the last prompt position predicts an output token
-            if k is not None and req.index == 0 and first < last:
+            state, k = e.state, e.state.prompt_logprobs
+            start, end = state.num_computed_tokens, state.num_computed_tokens + e.num_new_tokens
+            first = max(start, state.num_prompt_logprobs)
+            last = min(end, state.num_prompt_tokens - 1)        # the last prompt position predicts an output token
+            if k is not None and first < last:
                 lps: list[TokenLogprobs] = []
                 for a in range(first, last, PROMPT_LOGPROBS_CHUNK_ROWS):
                     b = min(a + PROMPT_LOGPROBS_CHUNK_ROWS, last)
                     logits = self.compute_logits(hidden[row + a - start:row + b - start])
-                    lps.extend(compute_logprobs(logits, req.token_ids[a + 1:b + 1], [k] * (b - a)))
-                req.num_prompt_logprobs = last
-                out[req] = lps
+                    if logits is not None:
+                        lps.extend(compute_logprobs(logits, state.token_ids[a + 1:b + 1], [k] * (b - a)))
+                state.num_prompt_logprobs = last
+                out[state.req_id] = lps
             row += e.num_new_tokens
-        return out or None
+        return out

@@ -3,8 +3,10 @@ same number of blocks as rank 0, so rank 0's block tables index it), then runs w
 
 Messages (tuples, tensors on CPU):
 - ``("kv", num_blocks)``: agree on the block count (the minimum over ranks) and allocate the KV cache.
-- ``("forward", input_ids, positions, meta)``: one model step (joins the layers' all-reduces).
-- ``("logits", hidden)``: the LM head on ``hidden`` ``[N, hidden]`` (joins the gather to rank 0).
+- ``("step", scheduler_output)``: one engine step on this rank's worker (:class:`.worker.Worker`; it joins the
+  forward's all-reduces and the LM head's gathers, and samples nothing).
+- ``("forward", input_ids, positions, meta)`` / ``("logits", hidden)``: a bare forward or LM head outside the step
+  path (rank 0's tests and profiling run).
 - ``("ping",)``: nothing (health and timing). ``("stop",)``: leave the group and exit.
 """
 from __future__ import annotations
@@ -19,11 +21,10 @@ import torch.distributed as dist
 
 from ..attention.base import AttentionMetadata
 from ..config import EngineConfig
-from ..attention import select_attention_backend
-from ..attention.cpu import use_bf16_prefill_attention
 from . import tp_group as group
 from .device import rank_device as _rank_device, resolve_dtype
 from .kv_tensors import allocate_kv_caches, kv_block_bytes, kv_cache_dtype
+from .worker import Worker
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +90,7 @@ def worker_main(spec: WorkerSpec) -> None:
     try:
         model = build_shard(spec.config, tp, device)
         group.wait_for_all_ranks()
-        serve_steps(model, control, spec.config, device)
+        serve_steps(Worker(model, spec.config, device, rank=spec.rank), control)
     except Exception:
         log.exception("tp_worker_failed", rank=spec.rank)
         os._exit(1)  # a collective may be half done: leave without waiting for the group
@@ -97,30 +98,27 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 @torch.inference_mode()
-def serve_steps(model, control, config: EngineConfig, device: torch.device) -> None:
+def serve_steps(worker: Worker, control) -> None:
     """The worker loop: run each message rank 0 broadcasts until ``("stop",)``."""
-    backend = select_attention_backend(config.attention_backend, device)
-    use_bf16_prefill_attention(backend, model)   # as rank 0's (engine.builder)
-    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device)
-    kv_caches = None
+    model, config, device, backend = worker.model, worker.config, worker.device, worker.backend
     while True:
         message = group.receive(control)
         kind = message[0]
         if kind == "stop":
             return
-        if kind == "forward":
+        if kind == "step":
+            worker.execute(message[1])
+        elif kind == "forward":
             input_ids, positions, meta = message[1:]
-            caches = kv_caches or allocate_kv_caches(model.num_layers, 1, config.block_size, model.num_kv_heads,
-                                                     model.head_dim, kv_dtype, device)  # profiling run
+            caches = worker.kv_caches if worker.runner is not None else allocate_kv_caches(
+                model.num_layers, 1, config.block_size, model.num_kv_heads, model.head_dim, worker.kv_dtype,
+                device)  # profiling run
             model(input_ids.to(device), positions.to(device), caches, meta_to(meta, device), backend)
         elif kind == "logits":
             model.compute_logits(message[1].to(device))
-        elif kind == "copy":
-            backend.copy_blocks(kv_caches, message[1])
         elif kind == "kv":
-            num_blocks = agree_num_blocks(min(message[1], own_block_limit(config, model, device)), control)
-            kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
-                                           model.head_dim, kv_dtype, device)
+            worker.initialize_kv_cache(agree_num_blocks(min(message[1], own_block_limit(config, model, device)),
+                                                        control))
         elif kind != "ping":
             raise ValueError(f"unknown tensor-parallel message {kind!r}")
 

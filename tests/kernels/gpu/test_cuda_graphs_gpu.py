@@ -30,14 +30,14 @@ def engines():
     model, cfg, tokenizer = bc.random_llama(torch.device("cuda"), **bc.SMOLLM_SHAPE)
     eager, eager_info = gc.build(model, cfg, tokenizer, gc.engine_config("cuda", True, 64, **BIG_BUDGET))
     graphs, info = gc.build(model, cfg, tokenizer, gc.engine_config("cuda", False, 64, **BIG_BUDGET))
-    assert not eager_info.compiled and not eager_info.cuda_graphs and eager.executor.runner.compiled is None
+    assert not eager_info.compiled and not eager_info.cuda_graphs and eager.executor.worker.runner.compiled is None
     return eager, graphs, info, cfg
 
 
 def test_graph_replay_greedy_equals_eager_at_batch_1_8_64(engines):
     eager, graphs, info, cfg = engines
     assert info.compiled and info.cuda_graphs and info.compile_s > 0
-    runner = graphs.executor.runner.compiled
+    runner = graphs.executor.worker.runner.compiled
     assert runner.sizes == list(DEFAULT_COMPILE_SIZES)
     for batch in BATCHES:
         prompts = gc.random_prompts(batch, cfg.vocab_size, seed=batch)

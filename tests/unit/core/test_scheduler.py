@@ -5,6 +5,7 @@ from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.core.sched.scheduler import Scheduler
+from sched_cases import schedule, worker_output
 
 
 def req(rid: str, n_prompt: int, priority: int = 0) -> Request:
@@ -14,12 +15,10 @@ def req(rid: str, n_prompt: int, priority: int = 0) -> Request:
 
 
 def run_step(s: Scheduler):
-    out = s.schedule()
-    s.update(out)
-    for e in out.scheduled:
-        if e.samples:
-            e.request.append_output_token(5)
-    return out
+    """One step through the scheduler's contract: schedule, a stand-in worker samples token 5, update."""
+    step = schedule(s)
+    s.update_from_output(step.output, worker_output(step))
+    return step
 
 
 def test_chunked_prefill_under_token_budget_with_running_decodes():

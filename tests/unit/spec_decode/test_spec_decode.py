@@ -19,6 +19,7 @@ from pagedserve.sample.sampler import Sampler, SamplingRow, make_generator
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.spec_decode import NgramProposer
+from sched_cases import schedule
 from support import run_to_completion
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": null}'
@@ -315,13 +316,14 @@ def test_draft_slots_and_rollback_keep_kv_invariants(ops, caching):
             sched.add_request(Request(f"r{counter}", prompt, SamplingParams(), 64, frozenset()))
         for r in sched.running:
             r.spec_token_ids = [rng.randrange(50) for _ in range(num_drafts)]
-        out = sched.schedule()
+        out = schedule(sched)
         for e in out.scheduled:   # the forward: write each computed position's input token into its slot
             r, start = e.request, e.request.num_computed_tokens
             inputs = (r.token_ids[start:] + e.draft_token_ids)[:e.num_new_tokens]
             for j, t in enumerate(inputs):
                 slots[_slot(kv, r, start + j)] = t
-        sched.update(out)
+        for e in out.scheduled:   # what update_from_output does first
+            e.request.num_computed_tokens += e.num_new_tokens
         for e in out.scheduled:
             if not e.samples:
                 continue

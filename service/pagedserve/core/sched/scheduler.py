@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 
 from ..kv_cache.manager import KVCacheManager
+from ...outputs import ModelRunnerOutput
 from ...request import Request, RequestStatus
-from ...outputs import StepResult
-from .output import RequestUpdate, ScheduledRequest, SchedulerOutput
-from .stop import check_stop, is_stop_token
+from ...scheduler_output import SchedulerOutput
+from .output import EngineCoreOutputs, RequestUpdate, ScheduledRequest, StepPlan
+from .stop import OutputText, check_stop, is_stop_token
+from .worker_view import WorkerView
 
 
 class Scheduler:
@@ -32,11 +35,12 @@ class Scheduler:
         long_prefill_token_threshold: tokens one prefill may take in a step (0: no cap beyond the budget).
         max_waiting_requests: waiting queue length at most (0: unbounded); :meth:`can_admit` reports it.
         max_model_len: context length at most (requests end with "length" there; None: only max_tokens ends them).
+        text: the completions' detokenizers (stop strings, text); None: no text (tests of the scheduling alone).
     """
 
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_waiting_requests: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, text: OutputText | None = None):
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -48,6 +52,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self._forking: list[list[Request]] = []   # n > 1 groups whose other completions wait for the prompt
+        self.requests: dict[int, Request] = {}      # live requests by seq_id (queued or running)
+        self.view = WorkerView(kv_cache.block_size)  # what the worker knows: the step's plain output
+        self.text = text
+        self.beams = None   # the BeamGroups of the engine (core.sched.beam_groups), when it runs beam search
+        self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
 
     # ---- queue -------------------------------------------------------------------------------------------------
     @property
@@ -61,6 +70,7 @@ class Scheduler:
         return self.max_waiting_requests <= 0 or self.num_waiting + num_new <= self.max_waiting_requests
 
     def add_request(self, request: Request) -> None:
+        self.requests[request.seq_id] = request
         request.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (request.priority, request.arrival_time, next(self._seq), request))
 
@@ -96,10 +106,11 @@ class Scheduler:
 
     # ---- step --------------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work and allocate its KV blocks. Never fails for lack of memory: it preempts instead."""
+        """Pick this step's work and allocate its KV blocks. Never fails for lack of memory: it preempts instead.
+        Returns the step as plain data for the worker (:class:`~pagedserve.scheduler_output.SchedulerOutput`)."""
         if self._forking:
             self._release_forks()
-        out = SchedulerOutput()
+        out = StepPlan()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -134,11 +145,19 @@ class Scheduler:
             break  # req itself was preempted: nothing after it can be running
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
-        out.block_copies = self.kv_cache.take_block_copies()
-        return out
+        return self._emit(out, self.max_num_batched_tokens - budget)
 
-    def _schedule_beams(self, i: int, out: SchedulerOutput, budget: int) -> tuple[int, int] | None:
+    def _emit(self, plan: StepPlan, num_batched_tokens: int) -> SchedulerOutput:
+        now = time.monotonic()
+        for s in plan.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        self.last_step_composition = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
+        if self.beams is not None and plan.preempted:
+            self.beams.on_preempted(plan.preempted)
+        return self.view.build(plan.scheduled, plan.preempted, self.kv_cache.take_block_copies(), num_batched_tokens)
+
+    def _schedule_beams(self, i: int, out: StepPlan, budget: int) -> tuple[int, int] | None:
         """Schedule the beam group whose beams start at ``running[i]``, all its blocks at once (preempting later
         requests, or the group itself, when they do not fit). Returns (beams passed, budget left), or None when the
         group was preempted."""
@@ -177,7 +196,7 @@ class Scheduler:
             return []
         return drafts
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: StepPlan, budget: int) -> int:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting[0][3]
             if req.beam is not None:
@@ -200,7 +219,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit_beams(self, group, out: SchedulerOutput, budget: int) -> int | None:
+    def _admit_beams(self, group, out: StepPlan, budget: int) -> int | None:
         """Admit all live beams of a waiting beam group, or none: it needs seats for beam_width beams and, as an
         upper bound, blocks for every beam's whole sequence (the prefix cache may share some: each beam looks it up
         after the previous one registered its blocks). Returns the budget left, or None when it does not fit."""
@@ -229,9 +248,10 @@ class Scheduler:
     def insert_beam(self, parent: Request, child: Request) -> None:
         """Put a new beam forked from running ``parent`` (its blocks already shared) right after it in running."""
         child.status = RequestStatus.RUNNING
+        self.requests[child.seq_id] = child
         self.running.insert(self.running.index(parent) + 1, child)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: StepPlan) -> None:
         """Preempt ``req`` (the last running request), or its whole beam group: blocks freed, back to waiting."""
         if req.beam is None:
             self.running.pop()
@@ -245,7 +265,7 @@ class Scheduler:
         self.num_preemptions -= len(group.beams) - 1   # one preemption per group
         self._push_front(group.beams[0])
 
-    def _preempt_one(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt_one(self, req: Request, out: StepPlan) -> None:
         self.kv_cache.free(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
@@ -255,44 +275,60 @@ class Scheduler:
         out.preempted.append(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` after the step's forward ran (before new tokens are appended). With
-        drafts this counts them too; :meth:`rollback_drafts` takes the rejected ones back."""
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        """The one place a step's results are decided: advance every scheduled request's ``num_computed_tokens``;
+        end pooling requests whose prompt is complete; append each sampled request's new tokens (a verified run
+        stops at its first stop), advance its grammar, end it on a stop token, a completed grammar or the length
+        limit (:func:`.stop.check_stop`), take the KV of rejected drafts back, and detokenize them, ending it on a
+        stop string (:class:`.stop.OutputText`); step the beam searches. One request's failure (say, its grammar
+        refusing a token) aborts it alone: its update carries the error.
 
-    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
-        """After the step's forward and sampling: advance every scheduled request's ``num_computed_tokens``, then
-        append each sampled request's new tokens (a verified run stops at its first stop), advance its grammar,
-        end it on a stop token, a completed grammar or the length limit (:func:`.stop.check_stop`), and take the
-        KV of rejected drafts back. One request's failure (say,
-        its grammar refusing a token) aborts it alone: its update carries the error.
-
-        Returns one :class:`RequestUpdate` per sampled request still live before the step, in ``result`` order.
+        Returns the step's :class:`EngineCoreOutputs`: one update per pooled, then per sampled request (in the
+        worker's row order), the prompt logprobs of this step, the final deltas of beam searches that ended.
         """
-        self.update(out)
-        updates = []
-        for i, entry in enumerate(result.sampled if result.output is not None else ()):
-            req = entry.request
-            if req.is_finished:
-                continue
-            update = RequestUpdate(req)
-            tokens, logprobs = result.emitted(i)
-            try:
-                for token, lp in zip(tokens, logprobs):
-                    self._append(req, token, lp, update)
-                    if req.is_finished:
-                        break
-                if entry.draft_token_ids:
-                    update.num_draft_tokens, update.num_accepted = len(entry.draft_token_ids), result.num_accepted(i)
-                    self.rollback_drafts(req)
-            except Exception as exc:  # one request's failure must not take the others down
-                self.finish(req, RequestStatus.FINISHED_ABORTED)
-                update.error = exc
-            updates.append(update)
+        requests = self.requests
+        for req_id, n in sched.num_scheduled_tokens.items():
+            requests[req_id].num_computed_tokens += n
+        outs = EngineCoreOutputs(prompt_logprobs={requests[r]: lps for r, lps in result.prompt_logprobs.items()})
+        for i, req_id in enumerate(result.pooled_req_ids):
+            req = requests[req_id]
+            self.finish(req, RequestStatus.FINISHED_STOPPED)
+            outs.updates.append(RequestUpdate(req, embedding=result.pooled_hidden[i]))
+        for i, req_id in enumerate(result.req_ids):
+            update = RequestUpdate(requests[req_id])
+            self._apply(update, result.sampled_token_ids[i], result.logprobs[i],
+                        sched.scheduled_spec_decode_tokens.get(req_id), result.num_accepted[i])
+            outs.updates.append(update)
+        if result.beam_logprobs:
+            outs.beam_deltas = self.beams.process({requests[r]: row for r, row in result.beam_logprobs.items()})
         if self._forking:
             self._release_forks()
-        return updates
+        return outs
+
+    def _apply(self, update: RequestUpdate, tokens: list[int], logprobs: list, drafts: list[int] | None,
+               num_accepted: int) -> None:
+        req = update.request
+        try:
+            for token, lp in zip(tokens, logprobs):
+                self._append(req, token, lp, update)
+                if req.is_finished:
+                    break
+            if drafts:
+                update.num_draft_tokens, update.num_accepted = len(drafts), num_accepted
+                self.rollback_drafts(req)
+        except Exception as exc:  # one request's failure must not take the others down
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+            update.error = exc
+        if self.text is None:
+            return
+        if update.error is None:
+            try:
+                self.text.push(update, self.finish)
+            except Exception as exc:
+                update.error = exc
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+        if req.is_finished:
+            update.text += self.text.finish(req, flush=update.error is None)
 
     def _append(self, req: Request, token: int, logprobs, update: RequestUpdate) -> None:
         req.append_output_token(token)
@@ -328,3 +364,5 @@ class Scheduler:
             heapq.heapify(self._waiting)
         self.kv_cache.free(request)
         request.status = status
+        self.requests.pop(request.seq_id, None)
+        self.view.finished(request)

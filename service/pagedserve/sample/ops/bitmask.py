@@ -36,3 +36,18 @@ def keep_some_allowed(processed: torch.Tensor, masked: torch.Tensor, constrained
     dead = idx[processed[idx].amax(dim=-1).isneginf()]
     if dead.numel():
         processed[dead] = masked[dead]
+
+
+class MaskRow:
+    """A precomputed bitmask row that stands in for a matcher in :func:`~pagedserve.structured_output.grammar.
+    fill_bitmasks` (it copies the row instead of asking a grammar): the worker's rows carry the step's
+    ``grammar_bitmask`` rows this way."""
+
+    __slots__ = ("row", "num_words")
+
+    def __init__(self, row: torch.Tensor):
+        self.row = row              # [W] int32 CPU
+        self.num_words = row.shape[0]
+
+    def fill_bitmask(self, out: torch.Tensor) -> None:
+        out.copy_(self.row)

@@ -13,6 +13,28 @@ _MIN_CANDIDATES = 64  # filters look at this many most likely tokens first (x8 p
 _WIDEN = 8
 
 
+class SamplingTensors(NamedTuple):
+    """Per-row settings of steps 7-8, one entry per row: ``temperature`` ``[n]`` float32, ``top_k`` ``[n]`` int64
+    (0: off), ``top_p`` ``[n]`` float32 (1: off), ``min_p`` ``[n]`` float32 (0: off). The worker keeps them per
+    request (:class:`pagedserve.worker.input_batch.InputBatch`); :meth:`from_rows` builds them from the rows."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def from_rows(cls, rows: list["SamplingRow"], device: torch.device) -> "SamplingTensors":
+        return cls(torch.tensor([r.params.temperature for r in rows], device=device),
+                   torch.tensor([r.params.top_k for r in rows], device=device),
+                   torch.tensor([r.params.top_p for r in rows], device=device),
+                   torch.tensor([r.params.min_p for r in rows], device=device))
+
+    def select(self, idx: torch.Tensor) -> "SamplingTensors":
+        """The rows ``idx`` (``[m]`` int64 indices)."""
+        return SamplingTensors(*(t.index_select(0, idx) for t in self))
+
+
 class Distribution(NamedTuple):
     """Sampled rows' distributions after steps 7-8, as cumulative sums (what inverse transform sampling needs).
 
@@ -37,25 +59,25 @@ class Distribution(NamedTuple):
         return ids.gather(1, idx).view(-1)
 
 
-def distribution(logits: torch.Tensor, rows: list["SamplingRow"]) -> Distribution:
+def distribution(logits: torch.Tensor, rows: list["SamplingRow"],
+                 tensors: SamplingTensors | None = None) -> Distribution:
     """Steps 7-8 for sampled rows: ``logits`` ``[n, V]`` (not modified) -> their
-    :class:`Distribution`. A row without filters keeps the whole vocabulary in order; a filtered row, the
+    :class:`Distribution`; ``tensors``: the rows' settings (None: built from ``rows``). A row without filters keeps the whole vocabulary in order; a filtered row, the
     candidates :func:`select_candidates` found, most likely first. Each row's order is its own, whatever the
     batch, so a seeded row's token does not depend on the other rows."""
     device = logits.device
-    logits = logits / torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
+    if tensors is None:
+        tensors = SamplingTensors.from_rows(rows, device)
+    logits = logits / tensors.temperature.unsqueeze(1)
     probs = logits.softmax(dim=-1)
     filtered = [i for i, r in enumerate(rows) if r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0.0]
     if not filtered:
         return Distribution(probs.double().cumsum_(dim=-1), None)
-    sub = [rows[i] for i in filtered]
     idx = torch.tensor(filtered, device=device)
     every = len(filtered) == len(rows)
+    sub = tensors if every else tensors.select(idx)
     cand_probs, cand_ids, _ = select_candidates(
-        logits if every else logits[idx], probs if every else probs[idx],
-        torch.tensor([r.params.top_k for r in sub], device=device),
-        torch.tensor([r.params.top_p for r in sub], device=device),
-        torch.tensor([r.params.min_p for r in sub], device=device))
+        logits if every else logits[idx], probs if every else probs[idx], sub.top_k, sub.top_p, sub.min_p)
     if every:
         return Distribution(cand_probs.double().cumsum_(dim=-1), cand_ids)
     # a mixed batch: the filtered rows' candidates padded (probability 0) to the vocabulary's width

@@ -2,7 +2,7 @@
 
 A group starts as one request (the prompt). Whenever all its live beams have their next-token logprobs (usually
 the same step; chunked or preempted recomputes may spread them over several), :class:`BeamSearchState` ranks the
-candidates (HF semantics, see :mod:`.search`); each kept candidate continues its parent: the first one reuses
+candidates (HF semantics, see :mod:`pagedserve.beam_search.ranking`); each kept candidate continues its parent: the first one reuses
 the parent's request, the others are KV forks of it (every block shared, the partial last block included; the
 first write into a shared block copies it, see :class:`~pagedserve.core.kv_cache.manager.KVCacheManager`), and beams left without
 a continuation release their blocks. When the search ends the best ``n`` hypotheses are sent, best first, as
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from ..errors import InvalidInputError
-from ..outputs import CompletionDelta, Usage
-from .search import BeamSearchState, Candidate, Hypothesis
-from ..request import Request, RequestStatus
-from ..sampling_params import SamplingParams
+from ...beam_search.ranking import BeamSearchState, Candidate, Hypothesis
+from ...errors import InvalidInputError
+from ...outputs import CompletionDelta, Usage
+from ...request import Request, RequestStatus
+from ...sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -41,13 +41,14 @@ class BeamGroup:
         return self.params.beam_search.beam_width
 
 
-class BeamSearcher:
-    """Runs the beam groups of an :class:`~pagedserve.engine.llm_engine.LLMEngine` (same thread).
+class BeamGroups:
+    """Runs the beam groups beside the scheduler (same thread): the scheduler reports preempted beams and hands it
+    each step's beam logprob rows (:meth:`~.scheduler.Scheduler.update_from_output`).
 
     Args:
         scheduler: the engine's scheduler (beams are inserted into and removed from its running list).
         detokenizer: ``detokenizer(params, prompt_token_ids)`` -> a fresh incremental detokenizer (the engine's
-            :class:`~pagedserve.engine.detokenizer.IncrementalDetokenizer`), for stop strings and the final texts.
+            :class:`~pagedserve.core.detokenizer.IncrementalDetokenizer`), for stop strings and the final texts.
         max_model_len: context length at most.
     """
 

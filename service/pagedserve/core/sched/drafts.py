@@ -1,15 +1,15 @@
-"""Speculative decoding in the engine loop: before each step, drafts for the running requests (with back-off after
+"""Speculative decoding beside the scheduler: before each step, drafts for the running requests (with back-off after
 rejections); after it, the acceptance counts. The verification itself is
 :class:`pagedserve.sample.rejection_sampler.RejectionSampler`."""
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..config import SpeculativeConfig
-from ..core.sched.output import RequestUpdate
-from ..request import Request
-from .grammar import draft_bitmasks
-from .proposer import build_proposer
+from ...config import SpeculativeConfig
+from ...request import Request
+from ...spec_decode.grammar import draft_bitmasks
+from ...spec_decode.proposer import build_proposer
+from .output import RequestUpdate
 
 
 class Drafter:
