@@ -64,9 +64,9 @@ class Request:
     spec_skip: int = 0                      # verification (doubling, see SpeculativeConfig), and steps left
     spec_bitmask: Any = None                # structured output with drafts: [1 + drafts, W] int32 CPU, the
                                             # grammar's next-token bitmask at each draft position
-    beam: Any = None                        # beam search: its BeamGroup (core.sched.beam_groups); the scheduler runs, preempts and
-                                            # readmits a group's live beams (``beam.beams``) as one unit
-
+    gang: Any = None                        # the requests it runs with as one unit (``members``, ``seats``; beam
+                                            # search's BeamGroup, core.sched.beam_groups): scheduled, preempted and
+                                            # readmitted together
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process: the id the worker and
                                             # the step's data know it by (client ids may repeat across completions)
 

@@ -34,7 +34,7 @@ class NewRequestData:
     prompt_logprobs: int | None = None  # top-k of prompt logprobs to compute (None: none; the n-th completions
                                     # of one request leave them to the first)
     pooling: bool = False           # an embedding request: the prompt's last final hidden state is its output
-    beam: bool = False              # beam search: the step returns its next-token log-softmax, samples nothing
+    beam_search: bool = False       # beam search: the step returns its next-token log-softmax, samples nothing
 
 
 @dataclass(slots=True)

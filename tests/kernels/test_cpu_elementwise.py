@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve import ops
+from pagedserve.kernels import elementwise_ref as ops
 from pagedserve.attention.cpu import CpuAttentionBackend, cpu_decode_kernel_available
 from pagedserve.kernels import cpu_elementwise as ew
 

@@ -9,7 +9,7 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "service" / "pagedserve"
 MAX_LINES = 400
-LEAVES = {"pagedserve.request", "pagedserve.outputs", "pagedserve.sampling_params"}
+LEAVES = {"pagedserve.request", "pagedserve.outputs", "pagedserve.sampling_params", "pagedserve.scheduler_output"}
 BELOW_LEAVES = {"pagedserve.config", "pagedserve.errors"}   # what a leaf may import besides other leaves
 
 
@@ -28,12 +28,13 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST):
-    """Every Import / ImportFrom in the tree, at any depth, except under ``if TYPE_CHECKING:``."""
+def _import_nodes(tree: ast.AST, type_checking: bool = False):
+    """Every Import / ImportFrom in the tree, at any depth, except under ``if TYPE_CHECKING:`` (unless
+    ``type_checking``)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -71,15 +72,16 @@ def _nearest(name: str, known: set[str]) -> str | None:
     return None
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports (package ``__init__`` modules included)."""
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (package ``__init__`` modules included; imports under
+    ``if TYPE_CHECKING:`` only with ``type_checking``)."""
     modules = _modules()
     known = set(modules)
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
         deps: set[str] = set()
-        for node in _import_nodes(tree):
+        for node in _import_nodes(tree, type_checking):
             deps |= _resolve(name, path.name == "__init__.py", node, known)
         # importing a.b.c runs a/__init__ and a/b/__init__ too
         for dep in list(deps):
@@ -167,6 +169,83 @@ def test_no_cycle_between_packages():
     """Packages too import one way (e.g. engine -> executor -> worker -> sample, never back)."""
     cycle = find_cycle(package_graph())
     assert cycle is None, "package cycle: " + " -> ".join(cycle)
+
+
+# ---- the step as a data contract (issue 40) ----------------------------------------------------------------------
+def _under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_worker_imports_no_request_engine_or_core():
+    """The worker reads plain step data only: nothing in worker/ imports request.py, engine/ or core/ (type-only
+    imports counted)."""
+    graph = import_graph(type_checking=True)
+    bad = {m: sorted(d for d in deps if _under(d, "pagedserve.request", "pagedserve.engine", "pagedserve.core"))
+           for m, deps in graph.items() if _under(m, "pagedserve.worker")}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+def test_builder_talks_to_the_executor_only():
+    deps = import_graph(type_checking=True)["pagedserve.engine.builder"]
+    assert not [d for d in deps if _under(d, "pagedserve.worker")], sorted(deps)
+
+
+def _request_fields() -> set[str]:
+    tree = ast.parse((PACKAGE / "request.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Request")
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _request_writes(tree: ast.AST, fields: set[str]) -> list[int]:
+    """Lines that assign, augment or delete an attribute named like a Request field (or its items), or call
+    ``append_output_token``."""
+    lines = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr == "append_output_token":
+            lines.append(node.lineno)
+        for t in targets:
+            for sub in ast.walk(t):
+                if isinstance(sub, ast.Attribute) and sub.attr in fields and not \
+                        (isinstance(sub.value, ast.Name) and sub.value.id == "self"):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_request_is_written_only_by_core_and_engine():
+    """Outside core/ and engine/ no code assigns a Request field on another object (``x.status = ...``,
+    ``del x.token_ids[...]``, ``x.append_output_token(...)``); ``self.<field>`` of a module's own classes aside.
+    worker/ is left to the import rule above: it never holds a Request (its per-request state, built from the plain
+    step data, has fields of the same names)."""
+    fields = _request_fields() - {"index"}   # "index" is every position type's name (spans, tool calls)
+    found = {}
+    for name, path in _modules().items():
+        if _under(name, "pagedserve.core", "pagedserve.engine", "pagedserve.request", "pagedserve.worker"):
+            continue
+        lines = _request_writes(ast.parse(path.read_text()), fields)
+        if lines:
+            found[name] = lines
+    assert not found, f"Request fields written outside core/ and engine/: {found}"
+
+
+def test_the_request_write_finder_sees_writes():
+    tree = ast.parse("r.status = 1\nr.num_computed_tokens += 2\ndel r.token_ids[-1:]\nr.append_output_token(3)\n"
+                     "self.status = 4\n")
+    assert _request_writes(tree, _request_fields()) == [1, 2, 3, 4]
+
+
+def test_only_core_reads_req_beam():
+    """Beam groups are a scheduler policy (gangs, core/sched/beam_groups.py): no code outside core/ reads a
+    request's ``.beam`` or ``.gang``."""
+    found = {name: [n.lineno for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, ast.Attribute) and n.attr in ("beam", "gang")]
+             for name, path in _modules().items() if not _under(name, "pagedserve.core")}
+    assert not {k: v for k, v in found.items() if v}, found
 
 
 if __name__ == "__main__":

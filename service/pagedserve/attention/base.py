@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
+from ..kernels import elementwise_ref as ops
 
 
 @dataclass(slots=True)

@@ -56,9 +56,14 @@ class LLMEngine:
         self.outputs = OutputProcessor()
         self.structured = StructuredOutputManager(tokenizer, eos_token_ids)  # compiles off this thread
         speculative = config.speculative()
-        self.drafter = Drafter(speculative, max_model_len) if speculative else None
-        self.beams = self.scheduler.beams = BeamGroups(self.scheduler, self._detokenizer, max_model_len)
+        self.scheduler.drafter = Drafter(speculative, max_model_len) if speculative else None
+        self.beams = self.scheduler.gangs = BeamGroups(self.scheduler, self._detokenizer, max_model_len)
         self.num_steps = 0
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """Speculative decoding's drafter (acceptance counts); None when it is off."""
+        return self.scheduler.drafter
 
     @property
     def last_step_composition(self) -> dict[str, int]:
@@ -100,9 +105,9 @@ class LLMEngine:
         ids, max_tokens = self.inputs.generation(prompt_token_ids, params)
         self._check_room(params.n)
         if params.beam_search is not None:
-            leader = self.beams.add(request_id, ids, params, self.eos_token_ids, priority, cache_salt or None)
-            self.outputs.add(RequestGroup(request_id, [leader], beam=leader.beam))
-            return [leader]
+            beams = self.beams.add(request_id, ids, params, self.eos_token_ids, priority, cache_salt or None)
+            self.outputs.add(RequestGroup(request_id, [beams.beams[0]], beam_group=beams))
+            return [beams.beams[0]]
         children = []
         for i in range(params.n):
             seed = (params.seed + i) % 2 ** 64 if params.seed is not None else None
@@ -180,9 +185,9 @@ class LLMEngine:
             if group is None:
                 continue
             aborted.append(rid)
-            if group.beam is not None:
+            if group.beam_group is not None:
                 del self.groups[rid]
-                deltas.extend(self.beams.abort(group.beam))
+                deltas.extend(self.beams.abort(group.beam_group))
                 continue
             for req in group.children:
                 if not req.is_finished:
@@ -199,8 +204,6 @@ class LLMEngine:
         """Run one scheduling step and return what each completion produced. With nothing to run but grammars
         compiling, it waits (briefly: at most 50 ms) for one to finish instead of spinning."""
         early = self._admit_waiting_grammars()
-        if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return early
@@ -208,8 +211,6 @@ class LLMEngine:
         result = self.executor.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
-        if self.drafter is not None:
-            self.drafter.record(outputs.updates)
         deltas = self.outputs.process(outputs)
         return early + deltas if early else deltas
 

@@ -26,7 +26,7 @@ class RequestGroup:
     request_id: str
     children: list[Request]
     num_finished: int = 0
-    beam: object | None = None   # beam search: its BeamGroup (the beam groups stream the group's deltas)
+    beam_group: object | None = None   # beam search: its BeamGroup (the beam groups stream the group's deltas)
 
 
 class OutputProcessor:

@@ -3,7 +3,7 @@ tensors (by data pointer, no copies) on torch's current CUDA stream.
 
 Every launcher checks dtype, shape, strides, alignment and device first and raises :class:`ValueError` naming the
 argument before any CUDA call. The torch references the kernels must match are
-:mod:`pagedserve.attention.torch_ref` and :mod:`pagedserve.ops`.
+:mod:`pagedserve.attention.torch_ref` and :mod:`pagedserve.kernels.elementwise_ref`.
 
 Modules:
     geometry     supported dtypes and sizes, template names, launch plans (pure Python)

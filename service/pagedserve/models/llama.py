@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .. import ops
+from ..kernels import elementwise_ref as ops
 from . import layers
 from .layers import SINGLE, TPGroup
 from ..attention.base import AttentionBackend, AttentionMetadata

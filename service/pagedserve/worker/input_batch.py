@@ -38,7 +38,7 @@ class CachedRequestState:
     prompt_logprobs: int | None      # top-k of prompt logprobs (None: none)
     num_prompt_logprobs: int = 0     # prompt positions whose logprobs were computed (kept across preemption)
     pooling: bool = False
-    beam: bool = False
+    beam_search: bool = False        # its step output is the next-token log-softmax
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,7 +101,7 @@ class InputBatch:
             new.sampling_params, list(new.block_ids), new.num_computed_tokens,
             SamplingRow(params=new.sampling_params, prompt_token_ids=new.prompt_token_ids, output_token_ids=output,
                         generator=generator, eos_token_ids=new.eos_token_ids),
-            slot, new.prompt_logprobs, pooling=new.pooling, beam=new.beam)
+            slot, new.prompt_logprobs, pooling=new.pooling, beam_search=new.beam_search)
 
     def _take_slot(self, params: SamplingParams) -> int:
         if not self._free_slots:

@@ -79,7 +79,7 @@ class ModelRunner:
             if e.state.pooling:
                 out.pooled_req_ids.append(e.state.req_id)
                 pooled_rows.append(pos - 1)
-            elif e.state.beam:   # (beams have no drafts: one row each)
+            elif e.state.beam_search:   # (beams have no drafts: one row each)
                 beams.append(e.state.req_id)
                 beam_rows.append(pos - 1)
             else:  # with drafts: the last known token's row and each draft's row

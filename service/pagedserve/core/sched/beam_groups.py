@@ -40,6 +40,16 @@ class BeamGroup:
     def width(self) -> int:
         return self.params.beam_search.beam_width
 
+    @property
+    def members(self) -> list[Request]:
+        """As a scheduler gang: its live beams."""
+        return self.beams
+
+    @property
+    def seats(self) -> int:
+        """As a scheduler gang: the running slots it needs (beam_width)."""
+        return self.width
+
 
 class BeamGroups:
     """Runs the beam groups beside the scheduler (same thread): the scheduler reports preempted beams and hands it
@@ -59,8 +69,9 @@ class BeamGroups:
         self.max_model_len = max_model_len
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int],
-            priority: int = 0, cache_salt: str | None = None) -> Request:
-        """Queue a beam search request as its first beam (the prompt), ``.beam`` set to its new group.
+            priority: int = 0, cache_salt: str | None = None) -> BeamGroup:
+        """Queue a beam search request as its first beam (the prompt), ``.gang`` set to its new group; returns the
+        group (its one live beam: ``beams[0]``).
 
         A group's beams run together, so beam_width seats and beam_width unshared sequences' blocks (what a
         readmission after preemption may take) must fit.
@@ -81,22 +92,22 @@ class BeamGroups:
                                     "(lower max_tokens or beam_width)", "beam_search.beam_width")
         leader = Request(request_id, ids, params, max_tokens, eos_token_ids, priority=priority,
                          cache_salt=cache_salt, parent_id=request_id)
-        leader.beam = BeamGroup(request_id, params, BeamSearchState(params.beam_search), [leader], {leader: 0.0})
+        leader.gang = BeamGroup(request_id, params, BeamSearchState(params.beam_search), [leader], {leader: 0.0})
         self.scheduler.add_request(leader)
-        return leader
+        return leader.gang
 
     def on_preempted(self, requests: list[Request]) -> None:
         """Forget the logprobs of preempted beams (they are recomputed)."""
         for req in requests:
-            if req.beam is not None:
-                req.beam.rows.pop(req, None)
+            if req.gang is not None:
+                req.gang.rows.pop(req, None)
 
     def process(self, rows: dict[Request, torch.Tensor]) -> list:
         """Take this step's logprob rows; step every group whose live beams all have theirs. Returns the final
         deltas of the groups that ended."""
         ready = []
         for req, row in rows.items():
-            group = req.beam
+            group = req.gang
             if req.is_finished or group is None:
                 continue
             group.rows[req] = row
@@ -175,11 +186,11 @@ class BeamGroups:
         child = Request(f"{group.request_id}#beam{group.num_forks}", parent.prompt_token_ids, parent.params,
                         parent.max_tokens, parent.eos_token_ids, priority=parent.priority,
                         cache_salt=parent.cache_salt, arrival_time=parent.arrival_time, parent_id=group.request_id)
-        child.beam = group
+        child.gang = group
         child.first_scheduled_time = parent.first_scheduled_time
         child.num_cached_tokens = parent.num_cached_tokens
         self.kv_cache.fork(parent, child)
-        self.scheduler.insert_beam(parent, child)
+        self.scheduler.insert_member(parent, child)
         return child
 
     def _finish(self, group: BeamGroup) -> list:

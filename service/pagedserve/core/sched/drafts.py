@@ -38,7 +38,7 @@ class Drafter:
         todo, room = [], []
         for req in running:
             req.spec_token_ids, req.spec_bitmask = [], None
-            if off or req.pooling or req.beam is not None or req.num_tokens - req.num_computed_tokens != 1:
+            if off or req.pooling or req.gang is not None or req.num_tokens - req.num_computed_tokens != 1:
                 continue
             if req.spec_skip > 0:   # backing off after drafts that were all rejected
                 req.spec_skip -= 1

@@ -6,9 +6,13 @@ requests by (priority, arrival). A request gets ``min(tokens left to compute, bu
 new tokens. When blocks run out, the last admitted running request is preempted: its blocks are freed and it goes
 back to the front of the waiting queue, to be recomputed later (the prefix cache usually brings most of it back).
 
-A beam search group (``request.beam``) is one unit: its live beams sit next to each other in ``running``, get their
-blocks (copy-on-write copies included) all or none, are preempted together, and wait as one entry (the first live
-beam) to be readmitted together. The KV copy-on-write copies of a step ride on :attr:`SchedulerOutput.block_copies`.
+Features sit beside the scheduler, each behind one narrow interface: a gang (``request.gang``: an object with
+``members``, its live requests, and ``seats``, the running slots it needs; beam search's groups,
+:mod:`.beam_groups`) is scheduled as one unit: its members sit next to each other in ``running``, get their blocks
+(copy-on-write copies included) all or none, are preempted together, and wait as one entry (the first member) to be
+readmitted together; ``n > 1`` completions wait for their first one's prompt (:mod:`.forks`); speculative drafts
+come from the drafter (:mod:`.drafts`) before each step and go back to it after. The KV copy-on-write copies of a
+step ride on :attr:`SchedulerOutput.block_copies`.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from ..kv_cache.manager import KVCacheManager
 from ...outputs import ModelRunnerOutput
 from ...request import Request, RequestStatus
 from ...scheduler_output import SchedulerOutput
+from .forks import ForkWaitList
 from .output import EngineCoreOutputs, RequestUpdate, ScheduledRequest, StepPlan
 from .stop import OutputText, check_stop, is_stop_token
 from .worker_view import WorkerView
@@ -51,11 +56,13 @@ class Scheduler:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
-        self._forking: list[list[Request]] = []   # n > 1 groups whose other completions wait for the prompt
+        self.forks = ForkWaitList()               # n > 1 completions waiting for their first one's prompt
         self.requests: dict[int, Request] = {}      # live requests by seq_id (queued or running)
         self.view = WorkerView(kv_cache.block_size)  # what the worker knows: the step's plain output
         self.text = text
-        self.beams = None   # the BeamGroups of the engine (core.sched.beam_groups), when it runs beam search
+        self.gangs = None    # the gangs' owner (beam search: core.sched.beam_groups.BeamGroups): told of
+                             # preempted members, handed each step's beam logprob rows
+        self.drafter = None  # speculative decoding's Drafter (core.sched.drafts), when it is on
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
 
     # ---- queue -------------------------------------------------------------------------------------------------
@@ -80,45 +87,31 @@ class Scheduler:
 
     def add_group(self, children: list[Request]) -> None:
         """Queue the n completions of one request: the first now, the others once it has computed the prompt
-        (they then share its full prompt blocks through the prefix cache, ``fork_parent`` naming it)."""
+        (:class:`.forks.ForkWaitList`)."""
         self.add_request(children[0])
         if len(children) > 1:
-            for child in children[1:]:
-                child.fork_parent = children[0]
-            self._forking.append(children)
-
-    def _release_forks(self) -> None:
-        """Queue the waiting completions of n > 1 groups whose first completion has computed its prompt (or
-        ended: an aborted group's others are finished too and are dropped here)."""
-        still = []
-        for children in self._forking:
-            first = children[0]
-            if first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished:
-                for child in children[1:]:
-                    if not child.is_finished:
-                        self.add_request(child)
-            else:
-                still.append(children)
-        self._forking = still
+            self.forks.add(children)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self._waiting or self._forking)
+        return bool(self.running or self._waiting or self.forks)
 
     # ---- step --------------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work and allocate its KV blocks. Never fails for lack of memory: it preempts instead.
         Returns the step as plain data for the worker (:class:`~pagedserve.scheduler_output.SchedulerOutput`)."""
-        if self._forking:
-            self._release_forks()
+        if self.drafter is not None:
+            self.drafter.propose(self.running)
+        if self.forks:
+            self.forks.release(self.add_request)
         out = StepPlan()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.beam is not None:
-                taken = self._schedule_beams(i, out, budget)
+            if req.gang is not None:
+                taken = self._schedule_gang(i, out, budget)
                 if taken is None:
-                    break  # the group itself was preempted: nothing after it can be running
+                    break  # the gang itself was preempted: nothing after it can be running
                 i, budget = i + taken[0], taken[1]
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_token_threshold)
@@ -133,7 +126,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv_cache.allocate_slots(req, n):
-                victim = self.running[-1]              # the last admitted request (or beam group)
+                victim = self.running[-1]              # the last admitted request (or gang)
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -153,20 +146,20 @@ class Scheduler:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         self.last_step_composition = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
-        if self.beams is not None and plan.preempted:
-            self.beams.on_preempted(plan.preempted)
+        if self.gangs is not None and plan.preempted:
+            self.gangs.on_preempted(plan.preempted)
         return self.view.build(plan.scheduled, plan.preempted, self.kv_cache.take_block_copies(), num_batched_tokens)
 
-    def _schedule_beams(self, i: int, out: StepPlan, budget: int) -> tuple[int, int] | None:
-        """Schedule the beam group whose beams start at ``running[i]``, all its blocks at once (preempting later
-        requests, or the group itself, when they do not fit). Returns (beams passed, budget left), or None when the
-        group was preempted."""
-        group = self.running[i].beam
-        count = len(group.beams)
-        beams = self.running[i:i + count]
-        assert all(b.beam is group for b in beams), "a beam group's beams must be contiguous in running"
+    def _schedule_gang(self, i: int, out: StepPlan, budget: int) -> tuple[int, int] | None:
+        """Schedule the gang whose members start at ``running[i]``, all its blocks at once (preempting later
+        requests, or the gang itself, when they do not fit). Returns (members passed, budget left), or None when
+        the gang was preempted."""
+        gang = self.running[i].gang
+        count = len(gang.members)
+        members = self.running[i:i + count]
+        assert all(b.gang is gang for b in members), "a gang's members must be contiguous in running"
         plan, left = [], budget
-        for b in beams:
+        for b in members:
             n = max(0, min(b.num_tokens - b.num_computed_tokens, left, self.long_prefill_token_threshold))
             plan.append((b, n))
             left -= n
@@ -174,13 +167,13 @@ class Scheduler:
         while need > self.kv_cache.num_free_blocks:
             victim = self.running[-1]
             self._preempt(victim, out)
-            if victim.beam is group:
+            if victim.gang is gang:
                 return None
         for b, n in plan:
             b.spec_token_ids = []
             if n > 0:
                 if not self.kv_cache.allocate_slots(b, n):
-                    raise AssertionError("beam group allocation failed after its blocks were counted")
+                    raise AssertionError("gang allocation failed after its blocks were counted")
                 out.scheduled.append(ScheduledRequest(b, n, b.num_computed_tokens + n == b.num_tokens))
         return count, left
 
@@ -199,8 +192,8 @@ class Scheduler:
     def _admit_waiting(self, out: StepPlan, budget: int) -> int:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting[0][3]
-            if req.beam is not None:
-                left = self._admit_beams(req.beam, out, budget)
+            if req.gang is not None:
+                left = self._admit_gang(req.gang, out, budget)
                 if left is None:
                     break
                 budget = left
@@ -219,23 +212,23 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit_beams(self, group, out: StepPlan, budget: int) -> int | None:
-        """Admit all live beams of a waiting beam group, or none: it needs seats for beam_width beams and, as an
-        upper bound, blocks for every beam's whole sequence (the prefix cache may share some: each beam looks it up
-        after the previous one registered its blocks). Returns the budget left, or None when it does not fit."""
-        beams = group.beams
-        if self.running and len(self.running) + group.width > self.max_num_seqs:
+    def _admit_gang(self, gang, out: StepPlan, budget: int) -> int | None:
+        """Admit all members of a waiting gang, or none: it needs its seats and, as an upper bound, blocks for every
+        member's whole sequence (the prefix cache may share some: each member looks it up after the previous one
+        registered its blocks). Returns the budget left, or None when it does not fit."""
+        members = gang.members
+        if self.running and len(self.running) + gang.seats > self.max_num_seqs:
             return None
-        if sum(self.kv_cache.blocks_needed(b.num_tokens) for b in beams) > self.kv_cache.num_free_blocks:
+        if sum(self.kv_cache.blocks_needed(b.num_tokens) for b in members) > self.kv_cache.num_free_blocks:
             return None
         heapq.heappop(self._waiting)
-        for b in beams:
+        for b in members:
             cached = self.kv_cache.find_cached_prefix(b) if not b.blocks else []
             num_cached = len(cached) * self.kv_cache.block_size
             n = max(0, min(b.num_tokens - b.num_computed_tokens - num_cached, budget,
                            self.long_prefill_token_threshold))
             if not self.kv_cache.allocate_slots(b, n, cached):
-                raise AssertionError("beam group admission failed after its blocks were counted")
+                raise AssertionError("gang admission failed after its blocks were counted")
             if b.num_cached_tokens < 0:
                 b.num_cached_tokens = num_cached
             b.status = RequestStatus.RUNNING
@@ -245,33 +238,34 @@ class Scheduler:
             budget -= n
         return budget
 
-    def insert_beam(self, parent: Request, child: Request) -> None:
-        """Put a new beam forked from running ``parent`` (its blocks already shared) right after it in running."""
+    def insert_member(self, parent: Request, child: Request) -> None:
+        """Put a new gang member forked from running ``parent`` (its blocks already shared) right after it in
+        running."""
         child.status = RequestStatus.RUNNING
         self.requests[child.seq_id] = child
         self.running.insert(self.running.index(parent) + 1, child)
 
     def _preempt(self, req: Request, out: StepPlan) -> None:
-        """Preempt ``req`` (the last running request), or its whole beam group: blocks freed, back to waiting."""
-        if req.beam is None:
+        """Preempt ``req`` (the last running request), or its whole gang: blocks freed, back to waiting."""
+        if req.gang is None:
             self.running.pop()
             self._preempt_one(req, out)
             self._push_front(req)
             return
-        group = req.beam
-        self.running = [r for r in self.running if r.beam is not group]
-        for b in group.beams:
-            self._preempt_one(b, out)
-        self.num_preemptions -= len(group.beams) - 1   # one preemption per group
-        self._push_front(group.beams[0])
+        gang = req.gang
+        self.running = [r for r in self.running if r.gang is not gang]
+        for b in gang.members:
+            self._preempt_one(b, out, count=False)
+        self.num_preemptions += 1          # one preemption per gang
+        self._push_front(gang.members[0])
 
-    def _preempt_one(self, req: Request, out: StepPlan) -> None:
+    def _preempt_one(self, req: Request, out: StepPlan, count: bool = True) -> None:
         self.kv_cache.free(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.num_preemptions += count
         out.preempted.append(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
 
@@ -300,9 +294,11 @@ class Scheduler:
                         sched.scheduled_spec_decode_tokens.get(req_id), result.num_accepted[i])
             outs.updates.append(update)
         if result.beam_logprobs:
-            outs.beam_deltas = self.beams.process({requests[r]: row for r, row in result.beam_logprobs.items()})
-        if self._forking:
-            self._release_forks()
+            outs.beam_deltas = self.gangs.process({requests[r]: row for r, row in result.beam_logprobs.items()})
+        if self.forks:
+            self.forks.release(self.add_request)
+        if self.drafter is not None:
+            self.drafter.record(outs.updates)
         return outs
 
     def _apply(self, update: RequestUpdate, tokens: list[int], logprobs: list, drafts: list[int] | None,

@@ -60,7 +60,7 @@ class WorkerView:
         return NewRequestData(req.seq_id, req.prompt_token_ids, req.output_token_ids, params, req.eos_token_ids,
                               block_ids, req.num_computed_tokens, seed=req.seed,
                               prompt_logprobs=params.prompt_logprobs if req.index == 0 else None,
-                              pooling=req.pooling, beam=req.beam is not None)
+                              pooling=req.pooling, beam_search=req.params.beam_search is not None)
 
     def _changes(self, req: Request, known: _Known) -> CachedRequestData:
         new_tokens = req.token_ids[known.num_tokens:]
