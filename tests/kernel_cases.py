@@ -1,5 +1,5 @@
-"""Checks of each CUDA kernel against its torch reference (attention/torch_ref.py, ops.py), shared by the GPU tests
-(tests/kernels/gpu/test_kernels_gpu.py, large shapes on a real device) and the host-emulator tests
+"""Checks of each CUDA kernel against its torch reference (attention/torch_ref.py, elementwise_ref.py), shared by
+the GPU tests (tests/kernels/gpu/test_kernels_gpu.py, large shapes on a real device) and the host-emulator tests
 (tests/kernels/test_kernels_simt.py, small shapes on CPU tensors). Each function takes the device and the shapes."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ GPU_DECODE_CASES = [
 
 def gpu_prefill_case(block_size: int) -> dict:
     return dict(prefix=[2 * block_size, 333, 15000, 5, 90, 0, 40], new=[200, 5, 130, 64, 63, 1000, 1])
-# (atol, rtol) of the elementwise kernels against ops.py, per dtype.
+# (atol, rtol) of the elementwise kernels against kernels/elementwise_ref.py, per dtype.
 ELEM_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
 
 

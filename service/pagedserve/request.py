@@ -56,7 +56,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # monotonic seconds; for queue time metrics
     pooling: bool = False                   # an embedding request: the prompt's last hidden state is the output
-    grammar: Any = None                     # structured output: its GrammarMatcher, in step with the output tokens (kept
+    grammar: Any = None                     # structured output: its GrammarMatcher, in step with the output (kept
                                             # across preemption, which keeps the tokens); set once compiled
     spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts proposed for the next
                                             # step (not part of token_ids until verified); cleared by the scheduler

@@ -1,4 +1,4 @@
-"""The C++ elementwise layers (kernels/cpu_elementwise.py, csrc/elementwise.cpp) against their references in ops.py:
+"""The C++ elementwise layers (kernels/cpu_elementwise.py, csrc/elementwise.cpp) against their torch references:
 RMSNorm with and without the fused residual add, rotary embedding (neox halves and interleaved pairs, on strided
 views of a fused QKV output), SwiGLU including exp's range ends; the fallbacks; the argument checks; and that the
 CPU attention backend carries them."""

@@ -1,7 +1,7 @@
 """The model's elementwise layers on pagedserve's C++ CPU kernels (``kernels/csrc/elementwise.cpp``).
 
 :data:`CPU_OPS` runs with :class:`pagedserve.attention.cpu.CpuAttentionBackend`. Each function takes the arguments
-of its reference in :mod:`pagedserve.kernels.elementwise_ref` and returns the same result (float32 rounding aside: one fused pass in a
+of its reference in :mod:`.elementwise_ref` and returns the same result (float32 rounding aside: one fused pass in a
 different summation order; RMSNorm within 1e-6 relative, SiLU's exp within 2e-7 relative): float32 CPU tensors of
 the shapes the kernels handle go to ``torch.ops.pagedserve_cpu``, anything else (other dtypes, devices, odd widths,
 the kernels not loaded) to the reference. Why: at one decode token the reference's chain of small torch ops
@@ -27,7 +27,7 @@ def _fits(x: torch.Tensor, multiple: int) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pagedserve.kernels.elementwise_ref.rms_norm` (HF LlamaRMSNorm, optional fused residual add): ``x`` ``[T, hidden]``,
+    """:func:`.elementwise_ref.rms_norm` (HF LlamaRMSNorm, optional fused residual add): ``x`` ``[T, hidden]``,
     ``weight`` ``[hidden]``, ``residual`` ``[T, hidden]`` or None; returns ``(normed, x + residual)`` (``x`` itself
     without a residual), float32."""
     if x.dim() != 2 or not _fits(x, 8) or weight.dtype != torch.float32 or \
@@ -39,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
                      is_neox: bool = True) -> torch.Tensor:
-    """:func:`pagedserve.kernels.elementwise_ref.rotary_embedding` (RoFormer): ``x`` ``[T, heads, head_dim]`` (rows and heads may be
+    """:func:`.elementwise_ref.rotary_embedding` (RoFormer): ``x`` ``[T, heads, head_dim]`` (rows and heads may be
     strided views of a fused QKV output), ``positions`` int64 ``[T]``; returns a new contiguous
     ``[T, heads, head_dim]``.
 
@@ -52,7 +52,7 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """:func:`pagedserve.kernels.elementwise_ref.silu_and_mul` (SwiGLU): ``x`` ``[T, 2 * d]`` (gate | up) -> ``[T, d]``."""
+    """:func:`.elementwise_ref.silu_and_mul` (SwiGLU): ``x`` ``[T, 2 * d]`` (gate | up) -> ``[T, d]``."""
     if x.dim() != 2 or not _fits(x, 16):
         return ops.silu_and_mul(x)
     return torch.ops.pagedserve_cpu.silu_and_mul(x)

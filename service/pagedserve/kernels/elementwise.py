@@ -1,5 +1,5 @@
 """Launchers of cuda/elementwise.cu: the model's fused elementwise layers, with the same signatures and results as
-the torch references in :mod:`pagedserve.kernels.elementwise_ref` (CUDA tensors only), and :data:`CUDA_OPS`, the set an attention
+the torch references in :mod:`.elementwise_ref` (CUDA tensors only), and :data:`CUDA_OPS`, the set an attention
 backend carries. Arguments are checked (:mod:`pagedserve.kernels.checks`) before the current runtime sees them."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .runtime import current_runtime, module_key
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA :func:`pagedserve.kernels.elementwise_ref.rms_norm`: ``x`` ``[..., hidden]`` (last dim contiguous), ``weight``
+    """CUDA :func:`.elementwise_ref.rms_norm`: ``x`` ``[..., hidden]`` (last dim contiguous), ``weight``
     ``[hidden]`` and optional ``residual`` like ``x``, one dtype. Returns ``(normed, x + residual)`` (or
     ``(normed, x)`` without residual), new contiguous tensors except that second ``x``."""
     dtype = geo.dtype_name(x.dtype, "x")
@@ -50,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
                      is_neox: bool = True) -> torch.Tensor:
-    """CUDA :func:`pagedserve.kernels.elementwise_ref.rotary_embedding`: ``positions`` ``[T]`` int64 (each < max_position, not
+    """CUDA :func:`.elementwise_ref.rotary_embedding`: ``positions`` ``[T]`` int64 (each < max_position, not
     checked), ``x`` ``[T, num_heads, head_dim]`` (head_dim contiguous, any token/head strides), ``cos_sin_cache``
     ``[max_position, head_dim]`` fp32 contiguous. Returns a new contiguous ``[T, num_heads, head_dim]``."""
     dtype = geo.dtype_name(x.dtype, "x")
@@ -75,7 +75,7 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """CUDA :func:`pagedserve.kernels.elementwise_ref.silu_and_mul`: ``x`` ``[..., 2 * d]`` (last dim contiguous) to a new
+    """CUDA :func:`.elementwise_ref.silu_and_mul`: ``x`` ``[..., 2 * d]`` (last dim contiguous) to a new
     ``[..., d]`` holding ``silu(x[..., :d]) * x[..., d:]``."""
     dtype = geo.dtype_name(x.dtype, "x")
     check_tensor("x", x, inner_contiguous=1)

@@ -1,4 +1,4 @@
-"""Each CUDA kernel against its torch reference (attention/torch_ref.py, ops.py) over a grid of shapes, dtypes,
+"""Each CUDA kernel against its torch reference (torch_ref.py, elementwise_ref.py) over a grid of shapes, dtypes,
 head dims, block sizes and GQA ratios. Sized to run in about a minute on an H200 (NVRTC compiles included).
 The checks themselves are in tests/kernel_cases.py; tests/kernels/test_kernels_simt.py runs them on the host
 emulator."""

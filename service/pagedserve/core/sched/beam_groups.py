@@ -2,9 +2,9 @@
 
 A group starts as one request (the prompt). Whenever all its live beams have their next-token logprobs (usually
 the same step; chunked or preempted recomputes may spread them over several), :class:`BeamSearchState` ranks the
-candidates (HF semantics, see :mod:`pagedserve.beam_search.ranking`); each kept candidate continues its parent: the first one reuses
-the parent's request, the others are KV forks of it (every block shared, the partial last block included; the
-first write into a shared block copies it, see :class:`~pagedserve.core.kv_cache.manager.KVCacheManager`), and beams left without
+candidates (HF semantics, :mod:`~pagedserve.beam_search.ranking`); each kept candidate continues its parent: the first
+reuses the parent's request, the others are KV forks of it (every block shared, the partial last block included; the
+first write into a shared block copies it, see :class:`~..kv_cache.manager.KVCacheManager`), and beams left without
 a continuation release their blocks. When the search ends the best ``n`` hypotheses are sent, best first, as
 completions ``0..n-1``: full text and token ids, finish reason and ``cumulative_logprob``, usage on the last.
 """

@@ -62,7 +62,8 @@ class Distribution(NamedTuple):
 def distribution(logits: torch.Tensor, rows: list["SamplingRow"],
                  tensors: SamplingTensors | None = None) -> Distribution:
     """Steps 7-8 for sampled rows: ``logits`` ``[n, V]`` (not modified) -> their
-    :class:`Distribution`; ``tensors``: the rows' settings (None: built from ``rows``). A row without filters keeps the whole vocabulary in order; a filtered row, the
+    :class:`Distribution`; ``tensors``: the rows' settings (None: built from ``rows``). A row without filters
+    keeps the whole vocabulary in order; a filtered row, the
     candidates :func:`select_candidates` found, most likely first. Each row's order is its own, whatever the
     batch, so a seeded row's token does not depend on the other rows."""
     device = logits.device
