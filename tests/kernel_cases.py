@@ -7,7 +7,8 @@ import random
 
 import torch
 
-from pagedserve import kernels, ops
+from pagedserve import kernels
+from pagedserve.kernels import elementwise_ref as ops
 from pagedserve.kernels import geometry as geo
 from pagedserve.attention import torch_ref
 from paged_batch import ATTN_TOL, blocks_needed, make_caches, make_meta, random_qkv

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.engine import detokenizer
+from pagedserve.core import detokenizer
 from pagedserve.request import RequestStatus
 from pagedserve_client import pb
 from pagedserve_client.v1 import inference_pb2_grpc

@@ -49,15 +49,15 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        speculative = config.speculative()
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_waiting_requests, max_model_len,
-                                   text=OutputText(tokenizer))
+                                   text=OutputText(tokenizer),
+                                   drafter=Drafter(speculative, max_model_len) if speculative else None)
         self.inputs = InputProcessor(vocab_size, max_model_len, config.max_logprobs)
         self.outputs = OutputProcessor()
         self.structured = StructuredOutputManager(tokenizer, eos_token_ids)  # compiles off this thread
-        speculative = config.speculative()
-        self.scheduler.drafter = Drafter(speculative, max_model_len) if speculative else None
-        self.beams = self.scheduler.gangs = BeamGroups(self.scheduler, self._detokenizer, max_model_len)
+        self.beams = BeamGroups(self.scheduler, self._detokenizer, max_model_len)
         self.num_steps = 0
 
     @property

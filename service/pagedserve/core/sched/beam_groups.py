@@ -64,6 +64,7 @@ class BeamGroups:
 
     def __init__(self, scheduler, detokenizer, max_model_len: int):
         self.scheduler = scheduler
+        scheduler.gangs = self    # the scheduler's gang owner: preempted beams, each step's logprob rows
         self.kv_cache = scheduler.kv_cache
         self.detokenizer = detokenizer
         self.max_model_len = max_model_len

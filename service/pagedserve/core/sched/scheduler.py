@@ -26,6 +26,7 @@ from ...request import Request, RequestStatus
 from ...scheduler_output import SchedulerOutput
 from .forks import ForkWaitList
 from .output import EngineCoreOutputs, RequestUpdate, ScheduledRequest, StepPlan
+from .policies import DraftPolicy, GangOwner
 from .stop import OutputText, check_stop, is_stop_token
 from .worker_view import WorkerView
 
@@ -41,11 +42,13 @@ class Scheduler:
         max_waiting_requests: waiting queue length at most (0: unbounded); :meth:`can_admit` reports it.
         max_model_len: context length at most (requests end with "length" there; None: only max_tokens ends them).
         text: the completions' detokenizers (stop strings, text); None: no text (tests of the scheduling alone).
+        drafter: speculative decoding's drafts (:class:`.policies.DraftPolicy`); None: off.
     """
 
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_waiting_requests: int = 0,
-                 max_model_len: int | None = None, text: OutputText | None = None):
+                 max_model_len: int | None = None, text: OutputText | None = None,
+                 drafter: DraftPolicy | None = None):
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -60,9 +63,9 @@ class Scheduler:
         self.requests: dict[int, Request] = {}      # live requests by seq_id (queued or running)
         self.view = WorkerView(kv_cache.block_size)  # what the worker knows: the step's plain output
         self.text = text
-        self.gangs = None    # the gangs' owner (beam search: core.sched.beam_groups.BeamGroups): told of
-                             # preempted members, handed each step's beam logprob rows
-        self.drafter = None  # speculative decoding's Drafter (core.sched.drafts), when it is on
+        self.gangs: GangOwner | None = None  # the gangs' owner (beam search's BeamGroups, which is built over
+                                             # this scheduler and attaches itself)
+        self.drafter = drafter
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
 
     # ---- queue -------------------------------------------------------------------------------------------------
