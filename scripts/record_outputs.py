@@ -38,6 +38,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support import CHAT_PROMPTS, TIME, TOOLS, WEATHER  # noqa: E402  (the tests' prompts and tools)
 
 ROUND = 4
 MAX_STEPS = 2000   # per run: a run that does not finish is an error, not a hang
@@ -55,18 +57,7 @@ ENGINES = {
 }
 
 # ---- prompts -----------------------------------------------------------------------------------------------------
-CHAT = [
-    "Write a haiku about the sea.",
-    "What is the capital of France? Answer in one sentence.",
-    "List three prime numbers greater than 20.",
-    "Explain what a hash table is to a child.",
-    "Translate 'good morning, my friend' into French and Spanish.",
-    "Write a short Python function that reverses a string.",
-    "Give me two tips for sleeping better.",
-    "What is 17 times 23? Show the steps.",
-    "Say hi.",
-    "Name a color.",
-]
+CHAT = CHAT_PROMPTS + ["Say hi.", "Name a color."]
 COPY = [  # text the ngram drafter can copy from
     "Repeat exactly, word for word: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over "
     "the lazy dog.",
@@ -94,13 +85,6 @@ STRUCTURED = {
 }
 
 # ---- tool calls (the OpenAI chat route) --------------------------------------------------------------------------
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
-        "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "Time now", "parameters": TIME}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
 TIME_Q = [{"role": "user", "content": "What time is it in Berlin?"}]

@@ -17,6 +17,15 @@ from pathlib import Path
 #: The repository's root (tests/ is one level below it).
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+#: Two tools with small argument schemas (the tool-calling tests and scripts/record_outputs.py).
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Time now", "parameters": TIME}}]
+
 #: Chat prompts the generation tests send (through the model's chat template, :func:`chat_ids`).
 CHAT_PROMPTS = [
     "Write a haiku about the sea.",
