@@ -39,7 +39,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from support import CHAT_PROMPTS, TIME, TOOLS, WEATHER  # noqa: E402  (the tests' prompts and tools)
+from support import CHAT_PROMPTS, TOOLS  # noqa: E402  (the tests' prompts and tools)
 
 ROUND = 4
 MAX_STEPS = 2000   # per run: a run that does not finish is an error, not a hang
