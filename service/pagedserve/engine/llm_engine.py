@@ -17,7 +17,7 @@ from ..core.sched.stop import OutputText
 from ..errors import DuplicateRequestError, QueueFullError
 from ..executor.base import Executor
 from ..outputs import CompletionDelta
-from ..request import Request, RequestStatus
+from ..request import Request
 from ..sampling_params import SamplingParams
 from ..structured_output.manager import StructuredOutputManager
 from .input_processor import InputProcessor
@@ -171,8 +171,7 @@ class LLMEngine:
             if live and error is None:
                 self._schedule_group(group, compiled)
             for child in live if error is not None else ():
-                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
-                self.scheduler.text.finish(child, flush=False)
+                self.scheduler.abort(child, flush=False)
                 deltas.append(self.outputs.finish_delta(child, CompletionDelta(group.request_id, child.index,
                                                                                error=error)))
         return deltas
@@ -191,8 +190,7 @@ class LLMEngine:
                 continue
             for req in group.children:
                 if not req.is_finished:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                    text = self.scheduler.text.finish(req)
+                    text = self.scheduler.abort(req)
                     deltas.append(self.outputs.finish_delta(req, CompletionDelta(rid, req.index, text)))
         return aborted, deltas
 

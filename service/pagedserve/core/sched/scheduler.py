@@ -351,6 +351,12 @@ class Scheduler:
         self.kv_cache.trim(request, request.num_tokens)
 
     # ---- removal -----------------------------------------------------------------------------------------------
+    def abort(self, request: Request, flush: bool = True) -> str:
+        """End ``request`` as aborted (a client's abort, a failed grammar compile); returns the held-back tail of
+        its text (``flush``; "" otherwise or without text)."""
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self.text.finish(request, flush) if self.text is not None else ""
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from wherever it is (running, waiting, or not queued yet) and free its blocks.
         Safe to call twice."""
