@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32], help="max concurrent requests")
     p.add_argument("--input-lens", type=int_list, default=[256, 1024], help="prompt tokens of the random workloads")
     p.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix workload")
+    p.add_argument("--no-random", action="store_true", help="skip the random workloads (--input-lens)")
     p.add_argument("--prefix-len", type=int, default=512, help="shared system-prompt tokens (prefix workload)")
     p.add_argument("--user-len", type=int, default=64, help="user-turn tokens after the prefix (prefix workload)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
@@ -82,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=900.0, help="s to wait for /health (vLLM compiles)")
     p.add_argument("--out-dir", default="", help="default: /tmp/serve_compare/<UTC time>")
     args = p.parse_args(argv)
+    if args.no_random and args.no_prefix:
+        p.error("--no-random and --no-prefix leave no workload")
     for name in ("prefix_len", "user_len", "output_len", "num_prompts_factor", "min_prompts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -90,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def workloads(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
     """(name, random input tokens, extra `vllm bench serve` args) for every workload asked for."""
-    out = [(f"random-{n}", n, []) for n in args.input_lens]
+    out = [] if args.no_random else [(f"random-{n}", n, []) for n in args.input_lens]
     if not args.no_prefix:
         out.append((f"prefix-{args.prefix_len}+{args.user_len}", args.user_len,
                     ["--random-prefix-len", str(args.prefix_len)]))
