@@ -2,7 +2,7 @@
 
 The socket is bound here (so port 0 works and the bound port is known before serving) and uvicorn's own signal
 handling is bypassed: the process's SIGTERM/SIGINT handlers belong to :func:`pagedserve.cli.serve`, which drains
-both APIs through :meth:`pagedserve.server.app.App.stop`.
+both APIs through :meth:`pagedserve.entrypoints.app.App.stop`.
 """
 from __future__ import annotations
 

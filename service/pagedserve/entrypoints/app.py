@@ -1,6 +1,7 @@
-"""Server assembly: one process, one asyncio loop: the grpc.aio server (InferenceService, health, reflection v1 and
-v1alpha) on one port, the OpenAI-compatible HTTP API on another, Prometheus metrics, graceful shutdown. The models
-come from :class:`~pagedserve.serving.factory.ServiceFactory`; this module only serves them.
+"""The server process: one asyncio loop serving the grpc.aio server (:mod:`pagedserve.grpc_api`: InferenceService,
+health, reflection v1 and v1alpha) on one port, the OpenAI-compatible HTTP API (:mod:`pagedserve.http`) on another,
+Prometheus metrics, graceful shutdown. The models come from :class:`~pagedserve.serving.factory.ServiceFactory`;
+this module only serves them. :func:`pagedserve.cli.serve` runs it.
 
 Health (grpc.health.v1): ``""`` is SERVING while the process runs and can take work; ``pagedserve.v1.InferenceService``
 is NOT_SERVING until the models are loaded and warmed up, and again once shutdown begins or the engine dies.
@@ -22,9 +23,9 @@ from ..serving.factory import ServiceFactory
 from ..serving.metrics import ServerMetrics
 from ..serving.services import Services, served_names
 from ..serving.auth import ApiKeys
-from .interceptors import AuthInterceptor, CallTrackingInterceptor, ErrorMappingInterceptor
-from .reflection import enable_reflection
-from .servicer import InferenceServicer
+from ..grpc_api.interceptors import AuthInterceptor, CallTrackingInterceptor, ErrorMappingInterceptor
+from ..grpc_api.reflection import enable_reflection
+from ..grpc_api.servicer import InferenceServicer
 
 log = structlog.get_logger(__name__)
 
