@@ -1,6 +1,7 @@
 """Server interceptors.
 
-- :class:`ErrorMappingInterceptor`: engine exceptions to gRPC status codes, for unary and streaming handlers alike.
+- :class:`ErrorMappingInterceptor`: exceptions to gRPC status codes, through the neutral error kinds of
+  :mod:`pagedserve.serving.caller_errors`, for unary and streaming handlers alike.
 - :class:`CallTrackingInterceptor` (outermost): the gRPC adapter of the process's
   :class:`~pagedserve.serving.calls.CallTracker` (new InferenceService calls refused with UNAVAILABLE once
   shutdown has begun, the calls in flight that shutdown drains), and the gRPC server metrics per method and final
@@ -18,34 +19,36 @@ import grpc
 import structlog
 
 from .. import errors
+from ..serving.caller_errors import ErrorKind, caller_error, error_kind
 from ..serving.calls import CallTracker
 
 log = structlog.get_logger(__name__)
 
-STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (errors.InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
-    (errors.QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (errors.ModelNotLoadedError, grpc.StatusCode.FAILED_PRECONDITION),
-]
+STATUS_OF: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.DUPLICATE_REQUEST: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.MODEL_NOT_LOADED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+"""The status code of each error kind."""
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    for cls, code in STATUS_OF:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The status code ``exc`` is answered with."""
+    return STATUS_OF[error_kind(exc)]
 
 
 def _status_of(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     """The status code and message a handler's exception becomes (logged here)."""
-    code = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    err = caller_error(exc)   # the gRPC API names fields as the engine does
+    code = STATUS_OF[err.kind]
+    if err.kind is ErrorKind.INTERNAL:
         log.error("internal_error", method=method, exc_info=exc)
-        return code, f"internal error: {type(exc).__name__}: {exc}"
-    log.info("request_rejected", method=method, code=code.name, error=str(exc))
-    return code, str(exc)
+    else:
+        log.info("request_rejected", method=method, code=code.name, error=str(exc))
+    return code, err.text()
 
 
 class MalformedRequest:

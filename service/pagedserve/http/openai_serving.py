@@ -21,15 +21,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..embedding.interface import EmbedInputs
-from ..errors import InvalidInputError, PagedServeError
+from ..errors import PagedServeError
 from ..outputs import CompletionDelta
+from ..serving.caller_errors import FieldNames
 from ..serving.generation import GenerateCall, GenerationService
 from ..serving.prompts import TextPrompt
 from ..serving.services import Services
 from ..tool_calls import plan_tools
 from . import convert as cv
 from .chat_shaper import ChatShaper
-from .errors import OpenAIError, as_sent, error_body, from_exception
+from .errors import OpenAIError, error_body, from_exception
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 
@@ -65,30 +66,18 @@ class OpenAIServing:
 
     # ---- chat / completions ------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        """``/v1/chat/completions``; an error names the body field as sent (see :func:`.errors.as_sent`)."""
-        renames = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
-        if body.max_completion_tokens is not None:
-            renames["max_tokens"] = "max_completion_tokens"
-        try:
-            return await self._chat(body, request)
-        except PagedServeError as exc:
-            raise as_sent(exc, renames) from None
+        """``/v1/chat/completions``; an error names the body field as sent."""
+        fields = cv.chat_fields(body)
+        return await _naming_fields(self._chat(body, request), fields)
 
     async def completions(self, body: CompletionRequest, request: Request):
         """``/v1/completions``; an error names the body field as sent."""
-        try:
-            return await self._completions(body, request)
-        except PagedServeError as exc:
-            raise as_sent(exc, {"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}) from None
+        fields = cv.completion_fields(body)
+        return await _naming_fields(self._completions(body, request), fields)
 
     async def embeddings(self, body: EmbeddingRequest) -> dict:
         """``/v1/embeddings``; an error names the body field as sent (``input``, ``input[i]``)."""
-        try:
-            return await self._embeddings(body)
-        except PagedServeError as exc:
-            if isinstance(body.input, str) and (exc.field or "").startswith("inputs[0]"):
-                raise as_sent(exc, {"inputs[0]": "input"}) from None  # one text: no index to name
-            raise as_sent(exc, {"inputs": "input"}) from None
+        return await _naming_fields(self._embeddings(body), cv.embedding_fields(body))
 
     async def _chat(self, body: ChatCompletionRequest, request: Request):
         cv.check_unsupported(body)
@@ -105,7 +94,7 @@ class OpenAIServing:
             params = cv.with_tool_constraint(body, params, plan.schema)
         calls = [GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt)]
         stream = _Stream(generation, calls, params.n)
-        await _open(stream, body)
+        await stream.open()
         shaper = ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), params.n,
                             k is not None, plan)
         if body.stream:
@@ -125,7 +114,7 @@ class OpenAIServing:
         calls = [GenerateCall(p, params, f"{rid}-{i}" if rid and len(prompts) > 1 else rid, body.priority,
                               body.cache_salt) for i, p in enumerate(prompts)]
         stream = _Stream(generation, calls, params.n)
-        prompt_ids = await _open(stream, body)
+        prompt_ids = await stream.open()
         text = cv.TokenText(generation.tokenizer)
         echo = [(p.text if isinstance(p, TextPrompt) else text.decode(ids), ids)
                 for p, ids in zip(prompts, prompt_ids)] if body.echo else None
@@ -163,15 +152,13 @@ def _check_stream_options(body) -> None:
         raise OpenAIError(400, "is only allowed with stream: true", param="stream_options")
 
 
-async def _open(stream: "_Stream", body) -> list[list[int]]:
-    """``stream.open()``, with a constraint that fails to compile answered as a 400 naming the body field."""
+async def _naming_fields(work, fields: FieldNames):
+    """``await work``, with an engine error it raises answered as the OpenAI error naming the field as ``fields``
+    spell it."""
     try:
-        return await stream.open()
-    except InvalidInputError as exc:
-        err = cv.public_constraint_error(exc, body)
-        if err is None:
-            raise
-        raise err from None
+        return await work
+    except PagedServeError as exc:
+        raise from_exception(exc, fields) from None
 
 
 class _Stream:
