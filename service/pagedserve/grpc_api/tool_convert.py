@@ -1,19 +1,14 @@
 """Tool calling over gRPC: ``GenerateRequest.tools`` / ``tool_choice`` / ``parallel_tool_calls`` -> a
-:class:`~pagedserve.tool_calls.ToolPlan` (the same plan and checks as the HTTP API), and each completion's deltas
--> content ``text`` plus ``tool_calls`` pieces (:class:`~pagedserve.tool_calls.ToolCallStream`)."""
+:class:`~pagedserve.tool_calls.ToolPlan` (the same plan and checks as the HTTP API). The request pipeline
+(:mod:`pagedserve.serving.pipeline`) applies it and reads the output for calls."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from pagedserve_client.v1 import inference_pb2 as pb
 
-from ..outputs import CompletionDelta
-from ..sampling_params import StructuredOutput
 from ..errors import InvalidInputError
-from ..serving.generation import GenerateCall
-from ..serving.prompts import ChatPrompt
-from ..tool_calls import ToolCallStream, ToolPlan, plan_tools
+from ..tool_calls import ToolPlan, plan_tools
 
 _MODES = {pb.TOOL_CHOICE_MODE_NONE: "none", pb.TOOL_CHOICE_MODE_AUTO: "auto",
           pb.TOOL_CHOICE_MODE_REQUIRED: "required"}
@@ -46,47 +41,3 @@ def tool_plan_from_proto(req: pb.GenerateRequest, auto_parser: str | None) -> To
     tools = [_tool_dict(t, i) for i, t in enumerate(req.tools)]
     parallel = req.parallel_tool_calls if req.HasField("parallel_tool_calls") else None
     return plan_tools(tools, _choice(req), parallel, auto_parser)
-
-
-def with_tools(call: GenerateCall, plan: ToolPlan | None) -> GenerateCall:
-    """``call`` with the plan's tools shown to the chat template and its output constraint (required / named).
-
-    Raises:
-        InvalidInputError: the plan constrains the output and sampling.structured_output is set too
-            (``tool_choice``).
-    """
-    if plan is None:
-        return call
-    prompt = call.prompt
-    if isinstance(prompt, ChatPrompt):
-        prompt = dataclasses.replace(prompt, tools=plan.tools)
-    params = call.params
-    if plan.schema is not None:
-        if params.structured_output is not None:
-            raise InvalidInputError("a required or named tool choice cannot be combined with "
-                                    "sampling.structured_output", "tool_choice")
-        params = dataclasses.replace(params, structured_output=StructuredOutput(json_schema=plan.schema))
-    return dataclasses.replace(call, prompt=prompt, params=params)
-
-
-class ToolDeltas:
-    """Rewrites each completion's responses: ``text`` keeps the content, tool calls go to ``tool_calls``, and a
-    completion that called tools and stopped finishes with FINISH_REASON_TOOL_CALLS."""
-
-    def __init__(self, plan: ToolPlan):
-        self.plan = plan
-        self._streams: dict[int, ToolCallStream] = {}
-
-    def apply(self, d: CompletionDelta, msg: pb.GenerateResponse) -> pb.GenerateResponse:
-        stream = self._streams.get(d.index)
-        if stream is None:
-            stream = self._streams[d.index] = ToolCallStream(self.plan.parser(), self.plan.max_calls)
-        content, calls = stream.feed(d.text, final=d.finish_reason is not None)
-        msg.text = content
-        for c in calls:
-            fn = c["function"]
-            msg.tool_calls.add(index=c["index"], id=c.get("id", ""), name=fn.get("name", ""),
-                               arguments=fn.get("arguments", ""))
-        if d.finish_reason == "stop" and stream.num_calls_started:
-            msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
-        return msg

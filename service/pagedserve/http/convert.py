@@ -2,15 +2,15 @@
 errors name the body field (``param``) as the client wrote it."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
 
 from ..errors import InvalidInputError
-from ..outputs import TokenLogprobs, Usage
+from ..outputs import TokenLogprobs
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from ..serving.caller_errors import SAMPLING_PREFIX, FieldNames
+from ..serving.pipeline import UsageTotal
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from .errors import OpenAIError
 from .token_bytes import TokenBytes
@@ -146,19 +146,6 @@ def _from_vllm(so: dict) -> dict:
     return {_VLLM_KINDS[k]: v for k, v in so.items() if k in _VLLM_KINDS and v not in (None, False)}
 
 
-def with_tool_constraint(body: ChatCompletionRequest, params: SamplingParams, schema: dict) -> SamplingParams:
-    """``params`` holding the output to ``schema`` (tool_choice required / named).
-
-    Raises:
-        OpenAIError: 400 naming ``tool_choice`` when the body asks for another constraint as well.
-    """
-    other = structured_output(body)
-    if other is not None:
-        raise OpenAIError(400, f"a required or named tool choice cannot be combined with {other[1]}",
-                          param="tool_choice")
-    return dataclasses.replace(params, structured_output=StructuredOutput(json_schema=schema))
-
-
 def constraint_field(body) -> str:
     """The body field a structured output constraint (or its compile error) is named by: the field that asked for
     it, else ``tools`` (a tool choice's constraint), else ``structured_output``."""
@@ -247,25 +234,12 @@ def completion_prompts(prompt) -> list[Prompt]:
     raise InvalidInputError("must be a string, a list of strings, token ids, or lists of token ids", "prompt")
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-class UsageSum:
-    """Usage over the engine requests of one HTTP request (several prompts)."""
-
-    def __init__(self) -> None:
-        self.prompt = self.completion = self.cached = 0
-
-    def add(self, usage: Usage) -> None:
-        self.prompt += usage.prompt_tokens
-        self.completion += usage.completion_tokens
-        self.cached += usage.cached_prompt_tokens
-
-    def as_dict(self) -> dict:
-        return usage_dict(self.prompt, self.completion, self.cached)
+def usage_dict(usage: UsageTotal, prompt_only: bool = False) -> dict:
+    """OpenAI's ``usage`` of a request's token counts (``prompt_only``: no completion tokens, the scoring path)."""
+    completion = 0 if prompt_only else usage.completion_tokens
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": usage.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
 
 
 class TokenText:
