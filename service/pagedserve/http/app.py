@@ -116,8 +116,9 @@ def _header(scope, name: bytes) -> str | None:
 
 
 def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, api_keys: ApiKeys,
-              tracker: CallTracker) -> tuple[FastAPI, GateMiddleware]:
-    """The FastAPI app and its gate (counting API requests in ``tracker``, which shutdown drains)."""
+              tracker: CallTracker | None = None) -> tuple[FastAPI, GateMiddleware]:
+    """The FastAPI app and its gate, counting API requests in ``tracker`` (the process's, which shutdown drains;
+    default: one of its own)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
     serving = OpenAIServing(services, config.auto_tool_parser)
     app.add_exception_handler(errors.OpenAIError, errors.on_openai_error)
@@ -185,6 +186,6 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
     app.add_middleware(CORSMiddleware, allow_origins=config.cors_list("allowed_origins"),
                        allow_methods=config.cors_list("allowed_methods"),
                        allow_headers=config.cors_list("allowed_headers"), allow_credentials=config.allow_credentials)
-    gate = GateMiddleware(app, tracker, api_keys, config.max_request_body_bytes)
+    gate = GateMiddleware(app, tracker or CallTracker(services), api_keys, config.max_request_body_bytes)
     return app, gate
 

@@ -45,9 +45,8 @@ class HttpServer:
     def __init__(self, config: ServerConfig, services: Services, metrics: ServerMetrics,
                  api_keys: ApiKeys | None = None, tracker: CallTracker | None = None):
         self.config = config
-        self.tracker = tracker or CallTracker(services)
         app, self.gate = build_app(config, services, metrics,
-                                   api_keys or ApiKeys(config.api_key, config.api_key_file), self.tracker)
+                                   api_keys or ApiKeys(config.api_key, config.api_key_file), tracker)
         tls = dict(ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
                    ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE) if config.tls else {}
         self._uvicorn = _Uvicorn(uvicorn.Config(
