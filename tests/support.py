@@ -47,7 +47,7 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """Runs :class:`pagedserve.server.app.App` on its own event loop in a daemon thread."""
+    """Runs :class:`pagedserve.entrypoints.app.App` on its own event loop in a daemon thread."""
 
     def __init__(self, server_config, engine_config, factory=None):
         self.loop = asyncio.new_event_loop()
@@ -56,7 +56,7 @@ class ServerThread:
         self.app, self.port = self.run(self._start(server_config, engine_config, factory))
 
     async def _start(self, server_config, engine_config, factory):
-        from pagedserve.server.app import create_server
+        from pagedserve.entrypoints.app import create_server
 
         app, port = await create_server(server_config, engine_config, factory)
         await app.load_models()

@@ -60,7 +60,7 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig | None,
 
     Raises whatever loading the models raised (after stopping the server).
     """
-    from .server.app import create_server
+    from .entrypoints.app import create_server
     from .serving.factory import ServiceFactory
 
     factory = None

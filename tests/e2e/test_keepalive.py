@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from pagedserve.config import EngineConfig, ServerConfig
-from pagedserve.server.app import create_server
+from pagedserve.entrypoints.app import create_server
 from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.e2e

@@ -96,7 +96,7 @@ def test_the_proto_and_the_engine_name_the_same_sampling_fields():
 
 def test_every_proto_sampling_field_reaches_the_engine_params():
     """Each field set on the wire (to a non-default value) arrives in SamplingParams with that value."""
-    from pagedserve.server.convert import sampling_from_proto
+    from pagedserve.grpc_api.convert import sampling_from_proto
     from pagedserve_client import sampling_params
 
     values = dict(max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=11,

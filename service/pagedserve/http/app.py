@@ -7,9 +7,10 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 ``POST /v1/chat/completions/render``, ``POST /v1/completions/render``, ``GET /get_load``.
 
 :class:`GateMiddleware`: API keys (``Authorization: Bearer``, :class:`~pagedserve.serving.auth.ApiKeys`) on
-``/v1/*``, ``/tokenize`` and ``/detokenize`` (``/health`` and ``/metrics`` stay open); 503 for
-API calls once shutdown has begun; 413 for a body over ``max_request_body_bytes`` (by Content-Length, or counted
-as a chunked body arrives); the count of requests in flight, which shutdown drains. CORS preflights pass the
+``/v1/*``, ``/tokenize`` and ``/detokenize`` (``/health`` and ``/metrics`` stay open); 413 for a body over
+``max_request_body_bytes`` (by Content-Length, or counted as a chunked body arrives); and the HTTP adapter of the
+process's :class:`~pagedserve.serving.calls.CallTracker`: 503 for API calls once shutdown has begun, API requests
+(streams included) counted in flight, which shutdown drains. CORS preflights pass the
 gate to starlette's CORS middleware (vLLM's flags: ``allowed_origins``, ``allowed_methods``, ``allowed_headers``,
 ``allow_credentials``; default any origin, method and header).
 """
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ServerConfig
 from ..errors import PagedServeError
 from ..serving.auth import ApiKeys
+from ..serving.calls import CallTracker
 from ..serving.metrics import ServerMetrics
 from ..serving.prompts import ChatPrompt, TextPrompt
 from ..serving.services import Services
@@ -41,10 +43,9 @@ API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 class GateMiddleware:
     """Pure ASGI middleware (streams pass through untouched); see the module docstring."""
 
-    def __init__(self, app, services: Services, api_keys: ApiKeys, max_body_bytes: int):
-        self.app, self.services, self.max_body_bytes = app, services, max_body_bytes
+    def __init__(self, app, tracker: CallTracker, api_keys: ApiKeys, max_body_bytes: int):
+        self.app, self.tracker, self.max_body_bytes = app, tracker, max_body_bytes
         self.api_keys = api_keys
-        self.num_in_flight = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -56,8 +57,9 @@ class GateMiddleware:
         if is_api and not self.api_keys.check_authorization(_header(scope, b"authorization")):
             return await self._reply(send, 401, "invalid or missing API key (Authorization: Bearer <key>)",
                                      "authentication_error", {"www-authenticate": "Bearer"})
-        if is_api and self.services.shutting_down:
-            return await self._reply(send, 503, "the server is shutting down", "service_unavailable")
+        refusal = self.tracker.refusal() if is_api else None
+        if refusal is not None:
+            return await self._reply(send, 503, refusal, "service_unavailable")
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await self._reply(send, 413, f"request body of {length} bytes is over the limit of "
@@ -67,11 +69,13 @@ class GateMiddleware:
             if receive is None:
                 return await self._reply(send, 413, f"request body is over the limit of {self.max_body_bytes} "
                                          "bytes", "invalid_request_error")
-        self.num_in_flight += is_api
+        if not is_api:
+            return await self.app(scope, receive, send)
+        self.tracker.enter()
         try:
             await self.app(scope, receive, send)
         finally:
-            self.num_in_flight -= is_api
+            self.tracker.leave()
 
     async def _buffered(self, receive):
         """The whole body read up front, replayed as one message; None when it grows past the limit."""
@@ -111,9 +115,10 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, api_keys: ApiKeys
-              ) -> tuple[FastAPI, GateMiddleware]:
-    """The FastAPI app and its gate (whose ``num_in_flight`` shutdown drains)."""
+def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, api_keys: ApiKeys,
+              tracker: CallTracker | None = None) -> tuple[FastAPI, GateMiddleware]:
+    """The FastAPI app and its gate, counting API requests in ``tracker`` (the process's, which shutdown drains;
+    default: one of its own)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
     serving = OpenAIServing(services, config.auto_tool_parser)
     app.add_exception_handler(errors.OpenAIError, errors.on_openai_error)
@@ -181,6 +186,6 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
     app.add_middleware(CORSMiddleware, allow_origins=config.cors_list("allowed_origins"),
                        allow_methods=config.cors_list("allowed_methods"),
                        allow_headers=config.cors_list("allowed_headers"), allow_credentials=config.allow_credentials)
-    gate = GateMiddleware(app, services, api_keys, config.max_request_body_bytes)
+    gate = GateMiddleware(app, tracker or CallTracker(services), api_keys, config.max_request_body_bytes)
     return app, gate
 

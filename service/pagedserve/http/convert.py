@@ -2,14 +2,15 @@
 errors name the body field (``param``) as the client wrote it."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
 
 from ..errors import InvalidInputError
-from ..outputs import TokenLogprobs, Usage
+from ..outputs import TokenLogprobs
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
+from ..serving.caller_errors import SAMPLING_PREFIX, FieldNames
+from ..serving.pipeline import UsageTotal
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from .errors import OpenAIError
 from .token_bytes import TokenBytes
@@ -86,6 +87,15 @@ _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice
            "guided_grammar": "grammar"}
 
 
+def _constraint_sources(body: ChatCompletionRequest | CompletionRequest) -> list[str]:
+    """The body fields that ask for a structured output constraint, in the order they are read."""
+    rf = body.response_format
+    names = ["response_format"] if rf is not None and rf.get("type", "text") != "text" else []
+    if body.structured_outputs:
+        names.append("structured_outputs")
+    return names + [name for name in _GUIDED if getattr(body, name) is not None]
+
+
 def structured_output(body: ChatCompletionRequest | CompletionRequest) -> tuple[StructuredOutput, str] | None:
     """The body's constraint and the body field that gave it, from exactly one of: OpenAI's ``response_format``
     (``json_object``; ``json_schema`` with its ``schema``; ``text`` is none), vLLM's ``structured_outputs``
@@ -96,13 +106,13 @@ def structured_output(body: ChatCompletionRequest | CompletionRequest) -> tuple[
         OpenAIError: 400 naming the field: two of them at once, an unknown type or key, a bad value.
     """
     found: list[tuple[dict, str]] = []
-    rf = body.response_format
-    if rf is not None and rf.get("type", "text") != "text":
-        found.append((_from_response_format(rf), "response_format"))
-    if body.structured_outputs:
-        found.append((_from_vllm(body.structured_outputs), "structured_outputs"))
-    found.extend(({kind: getattr(body, name)}, name) for name, kind in _GUIDED.items()
-                 if getattr(body, name) is not None)
+    for name in _constraint_sources(body):
+        if name == "response_format":
+            found.append((_from_response_format(body.response_format), name))
+        elif name == "structured_outputs":
+            found.append((_from_vllm(body.structured_outputs), name))
+        else:
+            found.append(({_GUIDED[name]: getattr(body, name)}, name))
     if not found:
         return None
     if len(found) > 1:
@@ -136,27 +146,33 @@ def _from_vllm(so: dict) -> dict:
     return {_VLLM_KINDS[k]: v for k, v in so.items() if k in _VLLM_KINDS and v not in (None, False)}
 
 
-def with_tool_constraint(body: ChatCompletionRequest, params: SamplingParams, schema: dict) -> SamplingParams:
-    """``params`` holding the output to ``schema`` (tool_choice required / named).
-
-    Raises:
-        OpenAIError: 400 naming ``tool_choice`` when the body asks for another constraint as well.
-    """
-    other = structured_output(body)
-    if other is not None:
-        raise OpenAIError(400, f"a required or named tool choice cannot be combined with {other[1]}",
-                          param="tool_choice")
-    return dataclasses.replace(params, structured_output=StructuredOutput(json_schema=schema))
+def constraint_field(body) -> str:
+    """The body field a structured output constraint (or its compile error) is named by: the field that asked for
+    it, else ``tools`` (a tool choice's constraint), else ``structured_output``."""
+    sources = _constraint_sources(body)
+    return sources[0] if sources else ("tools" if getattr(body, "tools", None) else "structured_output")
 
 
-def public_constraint_error(exc: InvalidInputError, body) -> OpenAIError | None:
-    """A compile error of the body's constraint (``sampling.structured_output.*``) as a 400 naming the body field
-    that gave it (``response_format``, ``guided_json``, ...); None for any other error."""
-    if not (exc.field or "").startswith("sampling.structured_output"):
-        return None
-    constraint = structured_output(body)
-    param = constraint[1] if constraint else ("tools" if getattr(body, "tools", None) else "structured_output")
-    return OpenAIError(400, str(exc).removeprefix(f"{exc.field}: "), param=param)
+def chat_fields(body: ChatCompletionRequest) -> FieldNames:
+    """How a chat body spells the fields engine errors name: the sampling fields at the top level, the prompt as
+    ``messages``, ``logprobs`` (a count) as ``top_logprobs``, ``max_tokens`` as ``max_completion_tokens`` when that
+    was sent, the constraint as the field that asked for it."""
+    renames = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
+    if body.max_completion_tokens is not None:
+        renames["max_tokens"] = "max_completion_tokens"
+    return FieldNames(renames, SAMPLING_PREFIX, constraint_field(body))
+
+
+def completion_fields(body: CompletionRequest) -> FieldNames:
+    """How a completions body spells them: token ids as ``prompt``, prompt logprobs as ``logprobs`` (echo)."""
+    return FieldNames({"prompt_token_ids": "prompt", "prompt_logprobs": "logprobs"}, SAMPLING_PREFIX,
+                      constraint_field(body))
+
+
+def embedding_fields(body) -> FieldNames:
+    """How an embeddings body spells them: ``inputs`` as ``input`` (one text: ``input`` alone, no index)."""
+    renames = {"inputs[0]": "input", "inputs": "input"} if isinstance(body.input, str) else {"inputs": "input"}
+    return FieldNames(renames, SAMPLING_PREFIX)
 
 
 def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
@@ -218,25 +234,12 @@ def completion_prompts(prompt) -> list[Prompt]:
     raise InvalidInputError("must be a string, a list of strings, token ids, or lists of token ids", "prompt")
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-class UsageSum:
-    """Usage over the engine requests of one HTTP request (several prompts)."""
-
-    def __init__(self) -> None:
-        self.prompt = self.completion = self.cached = 0
-
-    def add(self, usage: Usage) -> None:
-        self.prompt += usage.prompt_tokens
-        self.completion += usage.completion_tokens
-        self.cached += usage.cached_prompt_tokens
-
-    def as_dict(self) -> dict:
-        return usage_dict(self.prompt, self.completion, self.cached)
+def usage_dict(usage: UsageTotal, prompt_only: bool = False) -> dict:
+    """OpenAI's ``usage`` of a request's token counts (``prompt_only``: no completion tokens, the scoring path)."""
+    completion = 0 if prompt_only else usage.completion_tokens
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": usage.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
 
 
 class TokenText:

@@ -1,12 +1,11 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the status OpenAI uses.
 
-Engine errors (:mod:`pagedserve.errors`) map here as they map to gRPC codes in the gRPC front end: bad input 400,
-queue full 429, unavailable 503, model not loaded 404. A request body that fails validation is 400 (FastAPI's
-default would be 422) with ``param`` naming the field.
+Engine errors map through their neutral kind (:mod:`pagedserve.serving.caller_errors`), as the gRPC front end maps
+the same kinds to its codes: bad input 400, queue full 429, unavailable 503, model not loaded 404; ``param`` is the
+field as the body spells it (:class:`~pagedserve.serving.caller_errors.FieldNames`). A request body that fails
+validation is 400 (FastAPI's default would be 422) with ``param`` naming the field.
 """
 from __future__ import annotations
-
-import re
 
 import structlog
 from fastapi import Request
@@ -14,17 +13,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import errors
+from ..serving.caller_errors import SAMPLING_PREFIX, ErrorKind, FieldNames, caller_error
 
 log = structlog.get_logger(__name__)
 
-_STATUS_OF: list[tuple[type[BaseException], int, str]] = [
-    (errors.InvalidInputError, 400, "invalid_request_error"),
-    (errors.DuplicateRequestError, 400, "invalid_request_error"),
-    (errors.QueueFullError, 429, "rate_limit_exceeded"),
-    (errors.EngineUnavailableError, 503, "service_unavailable"),
-    (errors.ModelNotLoadedError, 404, "not_found_error"),
-]
+STATUS_OF: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID_INPUT: (400, "invalid_request_error"),
+    ErrorKind.DUPLICATE_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.QUEUE_FULL: (429, "rate_limit_exceeded"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable"),
+    ErrorKind.MODEL_NOT_LOADED: (404, "not_found_error"),
+    ErrorKind.INTERNAL: (500, "internal_server_error"),
+}
+"""The HTTP status and OpenAI error type of each error kind."""
+
+BODY_NAMES = FieldNames(prefix=SAMPLING_PREFIX)
+"""How any body spells the engine's fields when its endpoint says no more: the sampling fields at the top level."""
 
 
 class OpenAIError(Exception):
@@ -48,27 +52,16 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(error_body(status, message, type_, param, code), status_code=status, headers=headers)
 
 
-def from_exception(exc: BaseException) -> OpenAIError:
-    """The OpenAI error for an engine exception (an unknown one is a 500)."""
+def from_exception(exc: BaseException, fields: FieldNames = BODY_NAMES) -> OpenAIError:
+    """The OpenAI error for an exception, naming the field as ``fields`` spell it (an unknown exception is a
+    500)."""
     if isinstance(exc, OpenAIError):
         return exc
-    for cls, status, type_ in _STATUS_OF:
-        if isinstance(exc, cls):
-            field = getattr(exc, "field", None)
-            param = public_param(field)
-            message = str(exc)
-            if field and message.startswith(f"{field}: "):
-                message = message[len(field) + 2:]
-            return OpenAIError(status, message, type_, param)
-    log.exception("internal_error", exc_info=exc)
-    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
-
-
-def public_param(field: str | None) -> str | None:
-    """The engine's field name as the HTTP body names it (``sampling.temperature`` -> ``temperature``)."""
-    if field is None:
-        return None
-    return field.removeprefix("sampling.")
+    err = caller_error(exc, fields)
+    status, type_ = STATUS_OF[err.kind]
+    if err.kind is ErrorKind.INTERNAL:
+        log.exception("internal_error", exc_info=exc)
+    return OpenAIError(status, err.message, type_, err.field)
 
 
 # pydantic puts the member of a union that failed into ``loc`` (``("input", "list[str]", 0)``); not a body field.
@@ -77,19 +70,6 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
 
 def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
-
-
-def as_sent(exc: errors.PagedServeError, renames: dict[str, str]) -> errors.PagedServeError:
-    """``exc`` with its field's leading name replaced as ``renames`` says (the engine's ``max_tokens`` ->
-    the body's ``max_completion_tokens``, ``inputs[1]`` -> ``input[1]``), so ``param`` is the field as sent."""
-    field = public_param(exc.field)
-    head = re.match(r"[A-Za-z_]*(\[0\])?", field or "").group(0)
-    if head not in renames:
-        head = re.match(r"[A-Za-z_]*", field or "").group(0)
-    if not head or head not in renames:
-        return exc
-    message = str(exc).removeprefix(f"{exc.field}: ")
-    return type(exc)(message, renames[head] + field[len(head):])
 
 
 def _loc_to_param(loc: tuple) -> str:

@@ -2,7 +2,7 @@
 
 The socket is bound here (so port 0 works and the bound port is known before serving) and uvicorn's own signal
 handling is bypassed: the process's SIGTERM/SIGINT handlers belong to :func:`pagedserve.cli.serve`, which drains
-both APIs through :meth:`pagedserve.server.app.App.stop`.
+both APIs through :meth:`pagedserve.entrypoints.app.App.stop`.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import uvicorn
 
 from ..config import ServerConfig
 from ..serving.auth import ApiKeys
+from ..serving.calls import CallTracker
 from ..serving.metrics import ServerMetrics
 from ..serving.services import Services
 from .app import build_app
@@ -38,13 +39,14 @@ class HttpServer:
         services: the process's services (filled in once loaded).
         metrics: the Prometheus registry ``/metrics`` serves.
         api_keys: the accepted keys (shared with the gRPC port); default: from ``config``.
+        tracker: the process's call tracker (shared with the gRPC port); default: one of its own.
     """
 
     def __init__(self, config: ServerConfig, services: Services, metrics: ServerMetrics,
-                 api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None, tracker: CallTracker | None = None):
         self.config = config
-        app, self.gate = build_app(config, services, metrics, api_keys or ApiKeys(config.api_key,
-                                                                                   config.api_key_file))
+        app, self.gate = build_app(config, services, metrics,
+                                   api_keys or ApiKeys(config.api_key, config.api_key_file), tracker)
         tls = dict(ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs,
                    ssl_cert_reqs=ssl.CERT_REQUIRED if config.ssl_ca_certs else ssl.CERT_NONE) if config.tls else {}
         self._uvicorn = _Uvicorn(uvicorn.Config(
@@ -53,11 +55,6 @@ class HttpServer:
         self._socket: socket.socket | None = None
         self._main: asyncio.Task | None = None
         self.app = app
-
-    @property
-    def num_in_flight(self) -> int:
-        """API requests (streams included) not finished yet."""
-        return self.gate.num_in_flight
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port. Raises OSError when it cannot be bound."""

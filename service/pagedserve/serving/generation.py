@@ -1,30 +1,25 @@
-"""The generation model as the front ends see it: prompt in, stream of completion deltas out.
+"""The generation model as the front ends see it: one engine call (:class:`GenerateCall`), and the model's
+facts, tokenizer, bounds and admin calls (:class:`GenerationService`).
 
-:class:`GenerationService` owns what no wire format should: request ids, prompt rendering off the event loop,
-request-scoped logging, request metrics (:mod:`.request_metrics`), and turning a consumer that stops reading
-(client disconnect, deadline, cancelled task) into an abort that frees the request's KV blocks.
+:class:`GenerationService` owns what no wire format should: the checks of a call's bounded fields, prompt
+rendering off the event loop, Tokenize / Detokenize / Abort. Running calls is the request pipeline's
+(:mod:`.pipeline`): request ids, request-scoped logging, request metrics, and turning a consumer that stops
+reading (client disconnect, deadline, cancelled task) into an abort that frees the request's KV blocks.
 """
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
-import structlog
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.builder import EngineInfo
-from ..outputs import CompletionDelta
 from ..sampling_params import SamplingParams
 from ..errors import InvalidInputError
 from ..text_bounds import check_text_can_fit
 from .metrics import ServerMetrics
 from . import limits
 from .prompts import ChatPrompt, Prompt, TextPrompt, render_prompt
-from .request_metrics import MeteredEngine
-
-log = structlog.get_logger(__name__)
+from .request_metrics import RequestMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,19 +49,12 @@ class GenerationService:
         self.engine = engine
         self.info = info
         self.chat_template = chat_template
-        self._metered = MeteredEngine(engine, metrics, served_name or info.name)
-
-    @property
-    def tokenizer(self):
-        """The model's transformers tokenizer."""
-        return self.engine.tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        self.request_metrics = RequestMetrics(metrics, served_name or info.name)
+        self.tokenizer = engine.tokenizer   # the model's transformers tokenizer
 
     @property
     def num_live_requests(self) -> int:
+        """Requests the engine is running or has queued."""
         return self.engine.num_live_requests
 
     async def render(self, prompt: Prompt) -> list[int]:
@@ -97,37 +85,6 @@ class GenerationService:
                 check_text_can_fit(size, room, self.tokenizer, prompt.field)
         return await self.render(prompt)
 
-    async def generate(self, call: GenerateCall, prompt_ids: list[int] | None = None
-                       ) -> AsyncIterator[CompletionDelta]:
-        """Run ``call`` and yield its deltas until every completion has finished (``params.n`` of them; the last
-        delta carries the usage). ``prompt_ids`` skips :meth:`prepare` when the caller prepared the call already.
-        Leaving the iterator early aborts the request.
-
-        Raises (before the first delta unless said):
-            InvalidInputError: bad prompt or sampling values for this model (naming the field).
-            DuplicateRequestError, QueueFullError: from admission.
-            EngineUnavailableError: shutting down or the engine died (also mid-stream).
-        """
-        if prompt_ids is None:
-            prompt_ids = await self.prepare(call)
-        request_id = call.request_id or uuid.uuid4().hex
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
-            ids = prompt_ids
-            params = call.params
-            log.info("generate_start", prompt_tokens=len(ids), max_tokens=params.max_tokens, n=params.n)
-            num_tokens, open_completions = 0, params.n
-            try:
-                async for delta in self._metered.generate(request_id, ids, params, call.priority, call.cache_salt):
-                    num_tokens += len(delta.token_ids)
-                    if delta.finish_reason is not None:
-                        open_completions -= 1
-                        log.info("completion_finished", index=delta.index, finish_reason=delta.finish_reason,
-                                 completion_tokens=num_tokens)
-                    yield delta
-            finally:
-                if open_completions > 0:  # the consumer left (cancel, deadline, disconnect) or the request failed
-                    log.info("generate_cancelled", open_completions=open_completions, completion_tokens=num_tokens)
-
     async def tokenize(self, prompt: Prompt) -> tuple[list[int], list[str]]:
         """``(token ids, token strings)`` of a prompt (Tokenize API)."""
         ids = await self.render(prompt)
@@ -135,9 +92,10 @@ class GenerationService:
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True, field: str = "token_ids") -> str:
         """Text of ``token_ids``. Raises InvalidInputError (``field``) for an id outside the vocabulary."""
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        vocab_size = self.engine.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", field)
+            raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", field)
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     async def abort(self, request_ids: list[str]) -> list[str]:

@@ -1,7 +1,6 @@
-"""Per-request metrics, recorded by wrapping the engine's delta stream (the servicer stays untouched).
+"""Per-request metrics, recorded by the request pipeline (:mod:`.pipeline`) as a request's deltas stream out.
 
-:class:`MeteredEngine` wraps :meth:`~pagedserve.engine.async_engine.AsyncEngine.generate`: it passes every
-:class:`~pagedserve.outputs.CompletionDelta` through and records, per request:
+Per request:
 
 - ``generation_tokens`` as tokens stream out, ``prompt_tokens`` from the final usage;
 - ``request_success{finished_reason}`` once per completion (``n`` per request), "abort" included;
@@ -9,14 +8,13 @@
   completion's first), end-to-end latency (call to last delta) and queue time
   (``Usage.queue_time_s``: arrival to first scheduling, the engine's monotonic clock).
 
-A request the client cancels counts as finished with "abort" and gives no latency samples.
+A request the client cancels counts as finished with "abort" and gives no latency samples; one refused before it
+ran (validation, queue full, duplicate id) counts nothing but what it streamed.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
-from ..errors import PagedServeError
 from .metrics import ServerMetrics
 
 
@@ -24,7 +22,7 @@ class _RequestTimes:
     """What one request's stream has shown so far (monotonic seconds)."""
 
     __slots__ = ("start", "first_token", "last_token", "tokens", "first_tokens", "open_completions",
-                 "num_prompt_tokens")
+                 "num_prompt_tokens", "finished")
 
     def __init__(self, start: float, n: int, num_prompt_tokens: int):
         self.num_prompt_tokens = num_prompt_tokens  # as sent (before truncate_prompt_tokens)
@@ -34,38 +32,27 @@ class _RequestTimes:
         self.tokens = 0                  # over all completions
         self.first_tokens: set[int] = set()  # completions that produced their first token
         self.open_completions = n
+        self.finished = False            # the final usage has arrived
 
 
-class MeteredEngine:
-    """``AsyncEngine.generate`` wrapped to record request metrics (the only call made through it)."""
+class RequestMetrics:
+    """Records the metrics of the requests of one served model.
 
-    def __init__(self, inner, metrics: ServerMetrics, model_name: str):
-        self._inner = inner
+    Args:
+        metrics: the server's metrics.
+        model_name: their ``model_name`` label.
+    """
+
+    def __init__(self, metrics: ServerMetrics, model_name: str):
         self._metrics = metrics
         self._model = model_name
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator:
-        """``AsyncEngine.generate`` with metrics; same arguments, deltas and exceptions."""
-        times = _RequestTimes(time.monotonic(), params.n, len(prompt_token_ids))
-        stream = self._inner.generate(request_id, prompt_token_ids, params, priority, cache_salt)
-        finished = rejected = False
-        try:
-            async for delta in stream:
-                self._on_delta(delta, times)
-                if delta.usage is not None:
-                    finished = True
-                    self._on_finished(delta.usage, times)
-                yield delta
-        except PagedServeError:
-            rejected = times.first_token is None  # refused before it ran (validation, queue full, duplicate id)
-            raise
-        finally:
-            await stream.aclose()
-            if not finished and not rejected:  # cancelled by the client, or failed mid-stream
-                self._on_cancelled(times)
+    def start(self, n: int, num_prompt_tokens: int) -> _RequestTimes:
+        """A request of ``n`` completions is sent to the engine now; pass what this returns to the other calls."""
+        return _RequestTimes(time.monotonic(), n, num_prompt_tokens)
 
-    def _on_delta(self, delta, times: _RequestTimes) -> None:
+    def on_delta(self, delta, times: _RequestTimes) -> None:
+        """One delta of the request streamed out (its final usage included)."""
         m, label = self._metrics, self._model
         now = time.monotonic()
         if delta.token_ids:
@@ -79,6 +66,19 @@ class MeteredEngine:
         if delta.finish_reason is not None:
             times.open_completions -= 1
             m.request_success.labels(label, delta.finish_reason).inc()
+        if delta.usage is not None:
+            times.finished = True
+            self._on_finished(delta.usage, times)
+
+    def on_end(self, times: _RequestTimes, refused: bool) -> None:
+        """The request's stream has ended; ``refused``: it failed before producing a token (nothing to count)."""
+        if times.finished or (refused and times.first_token is None):
+            return
+        m, label = self._metrics, self._model   # cancelled by the client, or failed mid-stream
+        if times.open_completions > 0:
+            m.request_success.labels(label, "abort").inc(times.open_completions)
+        if times.first_token is not None:  # the prompt was prefilled
+            m.prompt_tokens.labels(label).inc(times.num_prompt_tokens)
 
     def _on_finished(self, usage, times: _RequestTimes) -> None:
         m, label = self._metrics, self._model
@@ -89,10 +89,3 @@ class MeteredEngine:
             m.tpot.labels(label).observe((times.last_token - times.first_token) / decode_tokens)
         if usage.queue_time_s is not None:
             m.queue_time.labels(label).observe(usage.queue_time_s)
-
-    def _on_cancelled(self, times: _RequestTimes) -> None:
-        m, label = self._metrics, self._model
-        if times.open_completions > 0:
-            m.request_success.labels(label, "abort").inc(times.open_completions)
-        if times.first_token is not None:  # the prompt was prefilled
-            m.prompt_tokens.labels(label).inc(times.num_prompt_tokens)

@@ -25,7 +25,7 @@ def test_http_body_fields_and_shaped_fields_are_the_sampling_params_fields():
 
 
 def test_grpc_sampling_message_has_the_engine_fields_less_beam_search():
-    # beam_search travels as its own GenerateRequest field (server/convert.py adds it)
+    # beam_search travels as its own GenerateRequest field (grpc_api/convert.py adds it)
     assert {fd.name for fd in pb.SamplingParams.DESCRIPTOR.fields} == ENGINE_FIELDS - {"beam_search"}
 
 

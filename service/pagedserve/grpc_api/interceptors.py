@@ -1,47 +1,54 @@
 """Server interceptors.
 
-- :class:`ErrorMappingInterceptor`: engine exceptions to gRPC status codes, for unary and streaming handlers alike.
-- :class:`CallTrackingInterceptor` (outermost): refuses new InferenceService calls with UNAVAILABLE once shutdown
-  has begun, counts the calls in flight (shutdown drains them) and records the gRPC server metrics per method and
-  final status code.
+- :class:`ErrorMappingInterceptor`: exceptions to gRPC status codes, through the neutral error kinds of
+  :mod:`pagedserve.serving.caller_errors`, for unary and streaming handlers alike.
+- :class:`CallTrackingInterceptor` (outermost): the gRPC adapter of the process's
+  :class:`~pagedserve.serving.calls.CallTracker` (new InferenceService calls refused with UNAVAILABLE once
+  shutdown has begun, the calls in flight that shutdown drains), and the gRPC server metrics per method and final
+  status code.
+- :class:`AuthInterceptor`: API keys on the InferenceService.
+
+Each wraps a handler's behaviour once, as a response stream: a unary handler runs as a stream of one response.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import grpc
 import structlog
 
 from .. import errors
+from ..serving.caller_errors import ErrorKind, caller_error, error_kind
+from ..serving.calls import CallTracker
 
 log = structlog.get_logger(__name__)
 
-STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (errors.InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
-    (errors.QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (errors.ModelNotLoadedError, grpc.StatusCode.FAILED_PRECONDITION),
-]
+STATUS_OF: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.DUPLICATE_REQUEST: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.MODEL_NOT_LOADED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+"""The status code of each error kind."""
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    for cls, code in STATUS_OF:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    """The status code ``exc`` is answered with."""
+    return STATUS_OF[error_kind(exc)]
 
 
 def _status_of(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     """The status code and message a handler's exception becomes (logged here)."""
-    code = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    err = caller_error(exc)   # the gRPC API names fields as the engine does
+    code = STATUS_OF[err.kind]
+    if err.kind is ErrorKind.INTERNAL:
         log.error("internal_error", method=method, exc_info=exc)
-        return code, f"internal error: {type(exc).__name__}: {exc}"
-    log.info("request_rejected", method=method, code=code.name, error=str(exc))
-    return code, str(exc)
+    else:
+        log.info("request_rejected", method=method, code=code.name, error=str(exc))
+    return code, err.text()
 
 
 class MalformedRequest:
@@ -83,17 +90,36 @@ def _check_request(request):
     return request if hasattr(request, "DESCRIPTOR") else _checked_stream(request)
 
 
-def _rewrap(handler: grpc.RpcMethodHandler, wrap_unary, wrap_stream, deserializer=None) -> grpc.RpcMethodHandler:
-    """The same handler with its behaviour wrapped: wrap_unary for unary responses, wrap_stream for streams
-    (and its request deserializer replaced when ``deserializer`` is given)."""
+def _as_stream(fn):
+    """A unary-response behaviour as a stream of its one response."""
+    async def stream(request, context):
+        yield await fn(request, context)
+    return stream
+
+
+def _as_unary(stream):
+    """A stream of one response as a unary-response behaviour."""
+    async def unary(request, context):
+        responses = stream(request, context)
+        request = response = None  # the stream holds the request while it needs it
+        async for response in responses:
+            pass
+        return response
+    return unary
+
+
+def _rewrap(handler: grpc.RpcMethodHandler, wrap, deserializer=None) -> grpc.RpcMethodHandler:
+    """The same handler with its behaviour wrapped by ``wrap`` (which takes and returns a response-stream
+    behaviour; a unary response goes through it as a stream of one), and its request deserializer replaced when
+    ``deserializer`` is given."""
     args = (deserializer or handler.request_deserializer, handler.response_serializer)
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), *args)
+        return grpc.unary_unary_rpc_method_handler(_as_unary(wrap(_as_stream(handler.unary_unary))), *args)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), *args)
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), *args)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), *args)
-    return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), *args)
+        return grpc.stream_unary_rpc_method_handler(_as_unary(wrap(_as_stream(handler.stream_unary))), *args)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), *args)
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -105,27 +131,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        return _rewrap(handler, lambda fn: self._wrap_unary(fn, method), lambda fn: self._wrap_stream(fn, method),
-                       _tolerant(handler.request_deserializer))
+        return _rewrap(handler, lambda fn: self._wrap(fn, method), _tolerant(handler.request_deserializer))
 
     # The status is raised outside the `except` block, with the request dropped first: an abort raised inside it
     # would chain the handler's exception, whose traceback holds the frames that hold the request, in a reference
     # cycle that keeps a refused multi-megabyte request alive until the cyclic GC happens to run.
     @staticmethod
-    def _wrap_unary(fn, method):
-        async def wrapper(request, context):
-            try:
-                return await fn(_check_request(request), context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                code, message = _status_of(exc, method)
-            request = None
-            await context.abort(code, message)
-        return wrapper
-
-    @staticmethod
-    def _wrap_stream(fn, method):
+    def _wrap(fn, method):
         async def wrapper(request, context):
             try:
                 async for item in fn(_check_request(request), context):
@@ -154,20 +166,19 @@ def _final_code(context, exc: BaseException | None) -> str:
 
 
 class CallTrackingInterceptor(grpc.aio.ServerInterceptor):
-    """Shutdown gate, in-flight count and gRPC metrics.
+    """Shutdown gate, in-flight count (the tracker's) and gRPC metrics.
 
     Args:
         metrics: a :class:`~pagedserve.serving.metrics.ServerMetrics`.
-        refuse: ``refuse(full_method)`` returns a reason to refuse the call with UNAVAILABLE, or None.
-        drained_service: calls of this service (``pagedserve.v1.InferenceService``) are counted in
-            :attr:`num_in_flight`; health and reflection calls are not.
+        tracker: the process's call tracker (shared with the HTTP API).
+        tracked_service: calls of this service (``pagedserve.v1.InferenceService``) are refused while the tracker
+            says so and counted in flight; health and reflection calls are not.
     """
 
-    def __init__(self, metrics, refuse: Callable[[str], str | None], drained_service: str):
+    def __init__(self, metrics, tracker: CallTracker, tracked_service: str):
         self.metrics = metrics
-        self.refuse = refuse
-        self.drained_service = drained_service
-        self.num_in_flight = 0
+        self.tracker = tracker
+        self.tracked_service = tracked_service
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -178,33 +189,32 @@ class CallTrackingInterceptor(grpc.aio.ServerInterceptor):
         kind = ("bidi_stream" if handler.request_streaming and handler.response_streaming else
                 "client_stream" if handler.request_streaming else
                 "server_stream" if handler.response_streaming else "unary")
-        call = _Call(self, full, (kind, service, name), service == self.drained_service,
-                     handler.request_streaming)
-        return _rewrap(handler, call.wrap_unary, call.wrap_stream)
+        call = _Call(self, (kind, service, name), service == self.tracked_service, handler.request_streaming)
+        return _rewrap(handler, call.wrap)
 
 
 class _Call:
-    """The wrappers of one method's handler (shared by every call of it)."""
+    """The wrapper of one method's handler (shared by every call of it)."""
 
-    def __init__(self, owner: CallTrackingInterceptor, full: str, labels: tuple[str, str, str], drained: bool,
+    def __init__(self, owner: CallTrackingInterceptor, labels: tuple[str, str, str], tracked: bool,
                  request_streaming: bool):
-        self.owner, self.full, self.labels, self.drained = owner, full, labels, drained
+        self.owner, self.labels, self.tracked = owner, labels, tracked
         self.request_streaming = request_streaming
 
     async def _enter(self, context) -> float:
-        m = self.owner.metrics
+        m, tracker = self.owner.metrics, self.owner.tracker
         m.grpc_started.labels(*self.labels).inc()
-        reason = self.owner.refuse(self.full)
-        if reason is not None:
-            m.grpc_handled.labels(*self.labels, "UNAVAILABLE").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-        if self.drained:
-            self.owner.num_in_flight += 1
+        if self.tracked:
+            reason = tracker.refusal()
+            if reason is not None:
+                m.grpc_handled.labels(*self.labels, "UNAVAILABLE").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+            tracker.enter()
         return time.perf_counter()
 
     def _exit(self, context, start: float, exc: BaseException | None) -> None:
-        if self.drained:
-            self.owner.num_in_flight -= 1
+        if self.tracked:
+            self.owner.tracker.leave()
         m = self.owner.metrics
         m.grpc_handled.labels(*self.labels, _final_code(context, exc)).inc()
         m.grpc_seconds.labels(*self.labels).observe(time.perf_counter() - start)
@@ -221,22 +231,7 @@ class _Call:
             counter.inc()
             yield item
 
-    def wrap_unary(self, fn):
-        async def wrapper(request, context):
-            start, exc = await self._enter(context), None
-            try:
-                response = await fn(self._requests(request), context)
-                self.owner.metrics.grpc_msg_sent.labels(*self.labels).inc()
-                return response
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                self._exit(context, start, exc)
-                exc = request = None  # the frame must not hold its own exception (a cycle that pins the request)
-        return wrapper
-
-    def wrap_stream(self, fn):
+    def wrap(self, fn):
         async def wrapper(request, context):
             start, exc = await self._enter(context), None
             sent = self.owner.metrics.grpc_msg_sent.labels(*self.labels)
@@ -275,12 +270,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         log.info("request_rejected", method=handler_call_details.method, code="UNAUTHENTICATED")
 
-        async def refuse_unary(request, context):
+        async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: "
                                 "Bearer <key> metadata)")
-
-        async def refuse_stream(request, context):
-            await refuse_unary(request, context)
             yield  # pragma: no cover - abort raised above
 
-        return _rewrap(handler, lambda fn: refuse_unary, lambda fn: refuse_stream)
+        return _rewrap(handler, lambda fn: refuse)

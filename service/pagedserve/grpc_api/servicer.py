@@ -1,4 +1,5 @@
-"""The InferenceService servicer: thin; conversion lives in :mod:`.convert`, errors map in :mod:`.interceptors`."""
+"""The InferenceService servicer: thin; conversion lives in :mod:`.convert`, errors map in :mod:`.interceptors`,
+generation runs through the request pipeline (:mod:`pagedserve.serving.pipeline`)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,9 @@ from pagedserve_client.v1 import inference_pb2 as pb
 from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 
 from ..errors import InvalidInputError
+from ..serving.pipeline import open_generation
 from ..serving.services import Services
-from . import convert, tool_convert
+from . import convert
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -22,13 +24,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         generation = self.services.require_generation()
-        plan = tool_convert.tool_plan_from_proto(request, self.auto_tool_parser)
-        call = tool_convert.with_tools(convert.generate_call_from_proto(request), plan)
-        tools = tool_convert.ToolDeltas(plan) if plan is not None and plan.mode != "none" else None
-        tokenizer = generation.tokenizer
-        async for delta in generation.generate(call):
-            msg = convert.delta_to_proto(delta, tokenizer)
-            yield tools.apply(delta, msg) if tools is not None else msg
+        stream = await open_generation(generation, convert.generation_request_from_proto(request,
+                                                                                         self.auto_tool_parser))
+        try:
+            async for choice in stream:
+                yield convert.choice_to_proto(choice, generation.tokenizer)
+        finally:
+            await stream.close()
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         return await self._embed(request, 0)

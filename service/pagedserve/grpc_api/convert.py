@@ -12,13 +12,14 @@ from google.protobuf.descriptor import FieldDescriptor
 from pagedserve_client.v1 import inference_pb2 as pb
 
 from ..errors import InvalidInputError
-from ..outputs import CompletionDelta
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from ..serving.generation import GenerateCall
+from ..serving.pipeline import ChoiceDelta, GenerationRequest
 from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from .tool_convert import tool_plan_from_proto
 
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-           "abort": pb.FINISH_REASON_ABORT}
+           "abort": pb.FINISH_REASON_ABORT, "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 _FLOAT_TYPES = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
 
 
@@ -128,6 +129,13 @@ def generate_call_from_proto(req: pb.GenerateRequest) -> GenerateCall:
                         req.priority, req.cache_salt or None)
 
 
+def generation_request_from_proto(req: pb.GenerateRequest, auto_tool_parser: str | None) -> GenerationRequest:
+    """The pipeline request of a GenerateRequest: its one call and its tool plan (the gRPC API's field names are
+    the engine's). Raises InvalidInputError naming the field."""
+    plan = tool_plan_from_proto(req, auto_tool_parser)
+    return GenerationRequest((generate_call_from_proto(req),), plan)
+
+
 def tokenize_prompt_from_proto(req: pb.TokenizeRequest) -> Prompt:
     """The prompt of a TokenizeRequest (defaults: special tokens added, generation prompt added).
 
@@ -156,9 +164,16 @@ def _logprob_entries(lps, tokenizer) -> list[pb.TokenLogprob]:
     return out
 
 
-def delta_to_proto(d: CompletionDelta, tokenizer) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=d.request_id, index=d.index, text=d.text, token_ids=d.token_ids,
-                              finish_reason=_FINISH[d.finish_reason])
+def choice_to_proto(choice: ChoiceDelta, tokenizer) -> pb.GenerateResponse:
+    """A GenerateResponse from one pipeline delta: the choice's content as ``text``, its tool-call pieces as
+    ``tool_calls``, its finish reason (FINISH_REASON_TOOL_CALLS for a choice that called tools and stopped)."""
+    d = choice.delta
+    msg = pb.GenerateResponse(request_id=d.request_id, index=d.index, text=choice.content, token_ids=d.token_ids,
+                              finish_reason=_FINISH[choice.finish_reason])
+    for c in choice.tool_calls:
+        fn = c["function"]
+        msg.tool_calls.add(index=c["index"], id=c.get("id", ""), name=fn.get("name", ""),
+                           arguments=fn.get("arguments", ""))
     if d.logprobs:
         msg.logprobs.extend(_logprob_entries(d.logprobs, tokenizer))
     if d.prompt_logprobs:

@@ -1,0 +1,1 @@
+"""Entry points: the server process (:mod:`.app`: both APIs, health, shutdown) that ``pagedserve serve`` runs."""
