@@ -5,6 +5,8 @@ import json
 import os
 from dataclasses import dataclass
 
+import structlog
+
 from ..config import EngineConfig
 from ..models.loader import ModelSource
 from ..models.registry import architecture_of
@@ -12,6 +14,8 @@ from ..executor.base import Executor
 from ..executor.factory import build_executor
 from ..executor.tensor_parallel import check_splittable
 from .llm_engine import LLMEngine
+
+log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
@@ -81,13 +85,25 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
         raise
 
 
-def _max_model_len(config: EngineConfig, hf_config, num_blocks: int) -> int:
+def _max_model_len(config: EngineConfig, hf_config, num_blocks: int, model=None) -> int:
+    """The context the engine serves: ``--max-model-len``, or by default the most of the model's
+    ``max_position_embeddings``, the KV cache's capacity and the length up to which the model is exact
+    (``model.max_exact_len``: a sliding window or a length-dependent rope type, see
+    :class:`pagedserve.models.decoder.DecoderSpec`). Raises ValueError for a ``--max-model-len`` past any of them
+    (past the exact length naming the config field behind it)."""
     capacity = num_blocks * config.block_size
     model_max = int(hf_config.max_position_embeddings)
+    exact = getattr(model, "max_exact_len", None)
     if config.max_model_len is None:
+        if exact is not None and exact < min(model_max, capacity):
+            log.warning("max_model_len capped", max_model_len=exact, reason=model.max_exact_len_reason)
+            return exact
         return min(model_max, capacity)
     if config.max_model_len > model_max:
         raise ValueError(f"max_model_len {config.max_model_len} > the model's {model_max}")
+    if exact is not None and config.max_model_len > exact:
+        raise ValueError(f"max_model_len {config.max_model_len} > {exact}, the most this model runs exactly: "
+                         f"{model.max_exact_len_reason}")
     if config.max_model_len > capacity:
         raise ValueError(f"max_model_len {config.max_model_len} > KV cache capacity {capacity} tokens "
                          f"({num_blocks} blocks of {config.block_size}); give more --kv-cache-memory")
@@ -97,7 +113,7 @@ def _max_model_len(config: EngineConfig, hf_config, num_blocks: int) -> int:
 def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_config, source,
                    compile_sizes) -> tuple[LLMEngine, EngineInfo]:
     num_blocks = executor.determine_num_kv_blocks()
-    max_model_len = _max_model_len(config, hf_config, num_blocks)
+    max_model_len = _max_model_len(config, hf_config, num_blocks, executor.model)
     executor.initialize(num_blocks, max_model_len, compile_sizes)
     engine = LLMEngine(config, executor, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),

@@ -7,7 +7,8 @@ attention backend's checks and slices, ~80 us a layer (bench/profile_step.py, "f
 same arguments in the same order, so the hidden states are bit for bit the Python forward's
 (tests/kernels/test_fused_decode.py checks it), and the op releases the GIL for the whole stack.
 
-It takes a step when every condition of that Python path holds: a :class:`~.llama.LlamaForCausalLM` at tensor
+It takes a step when every condition of that Python path holds: a model whose layers are all Llama's
+(``plain_llama`` of :class:`~.decoder.DecoderForCausalLM`: no q/k norm, multipliers or partial rotary) at tensor
 parallel size 1 in float32 whose four linears of every layer are :class:`~.cpu_linear.StreamingInt4Linear` on
 their VNNI panels (``use_vnni``), the ``cpu`` attention backend with its kernels, a float32 / float16 / bfloat16 KV
 cache, and a step whose rows are all decodes (one token per sequence) of at most the layers' ``vnni_max_tokens``.
@@ -48,7 +49,7 @@ class FusedDecode:
     def build(cls, model) -> FusedDecode | None:
         """The fused stack of ``model`` (a :class:`~.llama.LlamaForCausalLM`), or None when it cannot take the
         model's decode steps (see the module docstring: tensor parallel, not float32, a linear off VNNI panels)."""
-        if model.tp.size != 1 or model.norm.dtype != torch.float32:
+        if model.tp.size != 1 or model.norm.dtype != torch.float32 or not getattr(model, "plain_llama", False):
             return None
         attn = model.layers[0].self_attn
         if attn.head_dim % 16 or attn.num_heads % attn.num_kv_heads:

@@ -3,14 +3,29 @@ from __future__ import annotations
 
 import torch
 
-from .llama import LlamaForCausalLM
+from .granite import GraniteForCausalLM
+from .llama import LlamaForCausalLM, MistralForCausalLM
 from .loader import ModelSource
+from .olmo2 import Olmo2ForCausalLM
+from .phi3 import Phi3ForCausalLM
+from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from .smollm3 import SmolLM3ForCausalLM
 
+#: HF ``architectures`` name -> the family class (each a :class:`~.decoder.DecoderForCausalLM` with its options).
+#: The README's table of supported architectures lists exactly these (tests/unit/models/test_families_table.py).
 MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 def architecture_of(config) -> str:
@@ -18,8 +33,7 @@ def architecture_of(config) -> str:
     if archs:
         return archs[0]
     # GGUF configs from transformers may lack `architectures`; derive it from model_type.
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
-        config.model_type, config.model_type)
+    return _MODEL_TYPES.get(config.model_type, config.model_type)
 
 
 def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.device | str,
@@ -43,7 +57,8 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
 
     Raises:
         ValueError: for an architecture not in :data:`MODEL_REGISTRY`, a checkpoint that does not fit it, or an
-            unknown ``quantization``.
+            unknown ``quantization``; :class:`~.decoder.UnsupportedConfig` (a ValueError) for a config field the
+            family cannot run exactly, named in the message (raised before any weight is read).
     """
     from .cpu_linear import (A8_LEVELS, A8_MIN_TOKENS, AMX_CHOICES, AMX_MIN_TOKENS, DQ_CHOICES, DQ_MIN_TOKENS,
                              VNNI_CHOICES, VNNI_MAX_TOKENS, use_vnni, vnni_available,

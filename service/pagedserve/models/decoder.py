@@ -1,0 +1,396 @@
+"""One decoder-only causal LM assembled from options, over a paged KV cache; each family is a small file naming its
+options (:mod:`.llama`, :mod:`.qwen`, :mod:`.phi3`, :mod:`.granite`, :mod:`.olmo2`, :mod:`.smollm3`).
+
+The math of HF transformers' ``LlamaForCausalLM`` and the families built on it: RMSNorm, rotary embedding
+(neox-style, over all or the first ``rotary_dim`` features of a head; tables of :mod:`.rope`), grouped-query
+attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020); the options are what the families change: per-head
+(Qwen3) or whole-projection (OLMo 2) q/k RMSNorm, norms after the sublayers instead of before (OLMo 2), layers
+without rotary (SmolLM3's NoPE layers), embedding/residual/attention multipliers and a logits divisor (Granite),
+biases. The forward runs on a flattened batch of the step's new tokens, attention delegated to an
+:class:`~pagedserve.attention.base.AttentionBackend` that reads and writes the paged KV cache; Q/K/V and gate/up
+projections are fused into one matmul each. ``forward`` has no host synchronization.
+
+What a family's config asks for and this decoder cannot run exactly is refused when the model is built, naming the
+config field (:class:`UnsupportedConfig`); what is exact only up to a context length (a sliding window, a rope
+type that changes with the length) sets :attr:`DecoderSpec.max_exact_len`, which caps the engine's context.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ..attention.base import AttentionBackend, AttentionMetadata
+from ..kernels import elementwise_ref as ops
+from . import layers
+from .layers import SINGLE, TPGroup
+from .config_checks import UnsupportedConfig, require, window_limit
+from .rope import inv_freq_and_factor, rope_parameters, rope_table, rotary_dim_of
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The options a family sets (defaults: Llama).
+
+    Attributes:
+        qkv_bias, o_bias, mlp_bias: biases on the fused Q/K/V, the output projection, gate/up and down.
+        qk_norm: ``"none"``, ``"head"`` (RMSNorm over each head's ``head_dim`` features, weight ``[head_dim]``,
+            before rotary: Qwen3) or ``"projection"`` (RMSNorm over the whole q and k projections, weights
+            ``[heads * head_dim]``: OLMo 2).
+        norm_layout: ``"pre"`` (norm before each sublayer, Llama) or ``"post"`` (norm of each sublayer's output
+            before the residual add, no input norm: OLMo 2).
+        rope_layers: per layer whether it rotates q/k (None: every layer).
+        embedding_multiplier, residual_multiplier: scale the token embeddings and each sublayer's output.
+        attention_multiplier: the softmax scale (None: ``head_dim ** -0.5``).
+        logits_scaling: logits are divided by it.
+        max_exact_len: tokens up to which the model is exact (None: ``max_position_embeddings``);
+            ``max_exact_len_reason`` names the config field behind it.
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: str = "none"
+    norm_layout: str = "pre"
+    rope_layers: tuple[bool, ...] | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    max_exact_len: int | None = None
+    max_exact_len_reason: str = ""
+
+    def capped(self, limit: int | None, reason: str) -> DecoderSpec:
+        """This spec with ``max_exact_len`` lowered to ``limit`` (None: unchanged)."""
+        if limit is None or (self.max_exact_len is not None and self.max_exact_len <= limit):
+            return self
+        return replace(self, max_exact_len=int(limit), max_exact_len_reason=reason)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, spec: DecoderSpec, layer_idx: int, rotary_dim: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # this rank's heads (all of them at size 1)
+        self.num_heads, self.num_kv_heads, _ = layers.split_heads(total_heads, total_kv_heads, tp)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = spec.attention_multiplier if spec.attention_multiplier is not None else self.head_dim ** -0.5
+        self.layer_idx = layer_idx
+        self.rotary_dim = rotary_dim if (spec.rope_layers is None or spec.rope_layers[layer_idx]) else 0
+        self.qk_norm, self.eps = spec.qk_norm, cfg.rms_norm_eps
+        self.qkv_proj = layers.qkv_linear(cfg.hidden_size, total_heads, total_kv_heads, self.head_dim,
+                                          spec.qkv_bias, tp)
+        self.o_proj = layers.row_linear(total_heads * self.head_dim, cfg.hidden_size, spec.o_bias, tp)
+        if spec.qk_norm == "head":
+            self.q_norm = nn.Parameter(torch.ones(self.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(self.head_dim))
+        elif spec.qk_norm == "projection":
+            if tp.size > 1:
+                raise UnsupportedConfig("tensor_parallel_size: q/k RMSNorm over the whole projection (OLMo 2) "
+                                        "runs at tensor-parallel size 1 only")
+            self.q_norm = nn.Parameter(torch.ones(self.q_size))
+            self.k_norm = nn.Parameter(torch.ones(self.kv_size))
+
+    def _qk(self, positions, qkv: torch.Tensor, ew: ops.ElementwiseOps, cos_sin) -> torch.Tensor:
+        """``[T, heads + kv_heads, head_dim]``: q and k normed as the spec says and rotated."""
+        T, H, Hk, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk_size = self.q_size + self.kv_size
+        if self.qk_norm == "none":
+            # q and k rotated in one call: their heads are adjacent in the fused output ([T, H + Hk, D], strided)
+            qk = qkv[:, :qk_size].view(T, H + Hk, D)
+        elif self.qk_norm == "head":
+            q = ew.rms_norm(qkv[:, :self.q_size].reshape(T * H, D), self.q_norm, self.eps)[0]
+            k = ew.rms_norm(qkv[:, self.q_size:qk_size].reshape(T * Hk, D), self.k_norm, self.eps)[0]
+            qk = torch.cat([q.view(T, H, D), k.view(T, Hk, D)], dim=1)
+        else:
+            q = ew.rms_norm(qkv[:, :self.q_size].contiguous(), self.q_norm, self.eps)[0]
+            k = ew.rms_norm(qkv[:, self.q_size:qk_size].contiguous(), self.k_norm, self.eps)[0]
+            qk = torch.cat([q, k], dim=-1).view(T, H + Hk, D)
+        if self.rotary_dim == D:
+            return ew.rotary_embedding(positions, qk, cos_sin)
+        if self.rotary_dim == 0:
+            return qk
+        rotated = ew.rotary_embedding(positions, qk[..., :self.rotary_dim], cos_sin)
+        return torch.cat([rotated, qk[..., self.rotary_dim:]], dim=-1)
+
+    def forward(self, positions, hidden, kv_cache, meta, backend: AttentionBackend, cos_sin):
+        T = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        qk = self._qk(positions, qkv, backend.elementwise, cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].reshape(T, self.num_kv_heads, self.head_dim)
+        if meta is None:  # compiled forward: attention + KV write as one opaque op reading the step context
+            out = torch.ops.pagedserve.paged_attention(q, k, v, self.layer_idx, self.scale)
+        else:
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg, spec: DecoderSpec, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.gate_up_proj = layers.merged_column_linear(cfg.hidden_size, cfg.intermediate_size, 2, spec.mlp_bias, tp)
+        self.down_proj = layers.row_linear(cfg.intermediate_size, cfg.hidden_size, spec.mlp_bias, tp)
+
+    def forward(self, x, elementwise: ops.ElementwiseOps = ops.TORCH_OPS):
+        return self.down_proj(elementwise.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, spec: DecoderSpec, layer_idx: int, rotary_dim: int, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, spec, layer_idx, rotary_dim, tp)
+        self.mlp = DecoderMLP(cfg, spec, tp)
+        self.eps, self.post_norms = cfg.rms_norm_eps, spec.norm_layout == "post"
+        self.residual_multiplier = spec.residual_multiplier
+        if self.post_norms:
+            self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+            self.post_feedforward_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        else:
+            self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+            self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(self, positions, hidden, residual, kv_cache, meta, backend, cos_sin):
+        ew = backend.elementwise
+        if self.post_norms:  # OLMo 2: h = x + norm(attn(x)); out = h + norm(mlp(h)); the residual is the stream
+            h = self.self_attn(positions, hidden, kv_cache, meta, backend, cos_sin)
+            hidden = hidden + ew.rms_norm(h, self.post_attention_layernorm, self.eps)[0]
+            h = self.mlp(hidden, ew)
+            return hidden + ew.rms_norm(h, self.post_feedforward_layernorm, self.eps)[0], None
+        m = self.residual_multiplier
+        h, residual = ew.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+        h = self.self_attn(positions, h, kv_cache, meta, backend, cos_sin)
+        h, residual = ew.rms_norm(h if m == 1.0 else h * m, self.post_attention_layernorm, self.eps, residual)
+        h = self.mlp(h, ew)
+        return (h if m == 1.0 else h * m), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """The model. Built from a transformers ``PretrainedConfig``; weights come from :meth:`load_weights`.
+
+    A family subclasses it and overrides :meth:`spec_of` (the options its config sets; refusals raised there) and,
+    where its checkpoint names differ, :meth:`hf_weights`.
+
+    Attributes used by the engine: ``num_layers``, ``num_kv_heads`` (this rank's), ``head_dim``, ``vocab_size``,
+    ``max_exact_len`` (see :class:`DecoderSpec`). ``tp``: this process's tensor-parallel rank and size
+    (:mod:`.layers`); at size 1 the layers are plain ones.
+
+    Raises:
+        UnsupportedConfig: a config field the decoder cannot run exactly (named in the message).
+    """
+
+    @classmethod
+    def spec_of(cls, cfg) -> DecoderSpec:
+        """The options of ``cfg`` (Llama's: biases from ``attention_bias`` / ``mlp_bias``)."""
+        require(cfg, "hidden_act", ("silu",), "the MLP runs SwiGLU")
+        bias = bool(getattr(cfg, "attention_bias", False))
+        spec = DecoderSpec(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+        return spec.capped(*window_limit(cfg))
+
+    def __init__(self, cfg, tp: TPGroup = SINGLE):
+        super().__init__()
+        spec = self.spec_of(cfg)
+        self.config, self.tp, self.spec = cfg, tp, spec
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rope_params = rope_parameters(cfg)
+        if self.rope_params.get("original_max_position_embeddings") is None and \
+                getattr(cfg, "original_max_position_embeddings", None):
+            self.rope_params["original_max_position_embeddings"] = cfg.original_max_position_embeddings
+        self.rotary_dim = rotary_dim_of(cfg, head_dim, self.rope_params)
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise UnsupportedConfig(f"partial_rotary_factor gives {self.rotary_dim} rotary features per head; "
+                                    f"it must be even and positive")
+        # validates the rope parameters before any weight is read (under build_model's meta device: no data)
+        _, _, exact = inv_freq_and_factor(self.rope_params, self.rotary_dim, cfg.max_position_embeddings)
+        if exact is not None:
+            kind = self.rope_params.get("rope_type")
+            spec = self.spec = spec.capped(exact, f"rope_parameters.rope_type={kind!r} (transformers changes its "
+                                                  f"frequencies past {exact} tokens)")
+        self.max_exact_len, self.max_exact_len_reason = spec.max_exact_len, spec.max_exact_len_reason
+        self.embed_tokens = layers.vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, i, self.rotary_dim, tp)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if tp.size > 1:
+            self.lm_head = layers.ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp,
+                                                 self.embed_tokens if self.tie_word_embeddings else None)
+        else:
+            self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        attn = self.layers[0].self_attn
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_hidden_layers, attn.num_kv_heads, attn.head_dim
+        self.vocab_size = cfg.vocab_size
+        self.quantization = "none"  # what GetModelInfo reports; set by load_weights for quantized weights
+        self.linear_kernels = "torch"  # whose kernels run the linears; models.registry sets "pagedserve-cpu"
+        self.fused_decode = None  # a .fused_decode.FusedDecode when cpu_linear.use_vnni made one (decode steps in C++)
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        if not self.norm.is_meta:  # under a meta device, build_model calls this after to_empty()
+            self.reset_rotary_cache()
+
+    @property
+    def plain_llama(self) -> bool:
+        """Whether every layer is Llama's (what the fused C++ decode stack, :mod:`.fused_decode`, runs)."""
+        s = self.spec
+        return (s.qk_norm == "none" and s.norm_layout == "pre" and s.rope_layers is None
+                and s.embedding_multiplier == 1.0 and s.residual_multiplier == 1.0 and s.logits_scaling == 1.0
+                and s.attention_multiplier is None and self.rotary_dim == self.head_dim)
+
+    def refresh_fused_decode(self) -> None:
+        """(Re)build :attr:`fused_decode` from the layers' VNNI state, None where it cannot run (called by
+        :func:`.cpu_linear.use_vnni`)."""
+        from .fused_decode import FusedDecode
+
+        self.fused_decode = FusedDecode.build(self)
+
+    def reset_rotary_cache(self) -> None:
+        """(Re)build the fp32 ``[max_position_embeddings, rotary_dim]`` rotary table (:mod:`.rope`) on the model's
+        device."""
+        self.cos_sin_cache = rope_table(self.rope_params, self.rotary_dim, self.config.max_position_embeddings,
+                                        self.norm.device).cos_sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """One step over the flattened batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of the step's new tokens.
+            positions: ``[T]`` int64 absolute positions.
+            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: the step's attention metadata; None inside a compiled forward, whose attention layers call the
+                ``pagedserve::paged_attention`` custom op (:mod:`pagedserve.attention.opaque`) instead, reading the
+                metadata and caches from the step context (``kv_caches`` is then unused).
+            backend: the attention backend; its ``elementwise`` ops run the RMSNorms, rotary embedding and SwiGLU.
+                A decode-only step that :attr:`fused_decode` takes runs the whole stack in one C++ call instead
+                (:mod:`.fused_decode`: the same kernels, the same result).
+
+        Returns:
+            Final hidden states ``[T, hidden]`` (after the last RMSNorm), the model dtype.
+        """
+        hidden = self.embed_tokens(input_ids)
+        fused = self.fused_decode
+        if fused is not None and fused.takes(hidden.shape[0], meta, backend, kv_caches):
+            return fused(hidden, positions, kv_caches, meta, self.cos_sin_cache)
+        if self.spec.embedding_multiplier != 1.0:
+            hidden = hidden * self.spec.embedding_multiplier
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv, meta, backend, self.cos_sin_cache)
+        hidden, _ = backend.elementwise.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab_size]`` float32 logits (a quantized LM head when the weights are), divided
+        by the spec's ``logits_scaling``. Under tensor parallelism every rank must call it; rank 0 gets the gathered
+        logits, the others None."""
+        if self.tp.size > 1:
+            logits = self.lm_head(hidden)
+        elif self.lm_head is None:
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if logits is not None and self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
+        return logits
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    _STACKED = {  # HF name fragment -> (our param fragment, shard index)
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    def hf_weights(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        """The checkpoint's tensors under Llama's HF names (a family whose names differ overrides this)."""
+        return iter(weights)
+
+    def load_weights(self, weights: Iterable[tuple[str, object]], plan=None) -> None:
+        """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...) into the fused parameters.
+
+        With a :class:`~.quant_load.QuantPlan`, the model's linears and embedding are placeholders
+        (:func:`~.quant_load.prepare_model`): their weights (tensors or quantized weights) are collected and the
+        layers built at the end (:func:`~.quant_load.finalize`). Without one, quantized weights are dequantized.
+
+        Raises:
+            ValueError: on an unknown name, a shape mismatch, or parameters left unloaded.
+        """
+        from . import quant_load
+
+        if self.tp.size > 1 and self.tie_word_embeddings and plan is None:  # (re)tie: to_empty() gives each module its own tensor
+            self.lm_head.linear.weight = self.embed_tokens.embedding.weight
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules()) if self.tp.size > 1 else {}
+        pending = {n: m for n, m in self.named_modules()
+                   if isinstance(m, (quant_load.PendingLinear, quant_load.PendingEmbedding))}
+        loaded: set[str] = set()
+        for name, tensor in self.hf_weights(weights):
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            if name.endswith(".weight") and name.removesuffix(".weight") in params:
+                name = name.removesuffix(".weight")  # norms are bare parameters
+            target, shard = name, None
+            for hf, (ours, idx) in self._STACKED.items():
+                if hf in name:
+                    target, shard = name.replace(hf, ours), idx
+                    break
+            target, tensor, padded = layers.take_for_rank(modules, target, shard, tensor)
+            if tensor is None:  # nothing of it on this rank (a row-parallel bias off rank 0)
+                continue
+            owner = target.removesuffix(".weight")
+            if owner in pending:
+                pending[owner].add(shard, tensor)
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                tensor = tensor.dequantize()
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r}")
+            param = params[target]
+            dst = param.data if shard is None else self._shard(param.data, target, shard)
+            if padded and dst.shape[0] > tensor.shape[0]:  # the last vocabulary shard: zero padding rows
+                dst.zero_()
+                dst = dst[:tensor.shape[0]]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}...")
+        if pending:
+            quant_load.finalize(self, plan, tied_lm_head=self.tie_word_embeddings)
+            self.quantization = plan.summary()
+
+    def _shards_of(self, name: str) -> list:
+        if "qkv_proj" in name:
+            return [0, 1, 2]
+        if "gate_up_proj" in name:
+            return [0, 1]
+        return [None]
+
+    def _shard(self, data: torch.Tensor, name: str, idx: int) -> torch.Tensor:
+        if "qkv_proj" in name:
+            attn = self.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [data.shape[0] // 2] * 2
+        start = sum(sizes[:idx])
+        return data[start:start + sizes[idx]]
+
+
+def split_fused(name: str, tensor, fused: str, parts: list[tuple[str, int]]) -> Iterator[tuple[str, object]]:
+    """A fused checkpoint tensor (rows ``[a | b | ...]``, e.g. Phi-3's ``qkv_proj``) as its named parts: ``parts``
+    is ``[(name fragment, rows)]`` replacing ``fused`` in ``name``. Quantized tensors are dequantized first."""
+    if not isinstance(tensor, torch.Tensor):
+        tensor = tensor.dequantize()
+    start = 0
+    for frag, rows in parts:
+        yield name.replace(fused, frag), tensor[start:start + rows]
+        start += rows
+    if start != tensor.shape[0]:
+        raise ValueError(f"weight {name!r}: {tensor.shape[0]} rows, expected {start}")

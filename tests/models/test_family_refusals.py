@@ -1,0 +1,125 @@
+"""A config the engine cannot run exactly is refused when the model is built, naming the config field; one that is
+exact only up to a length (a sliding window, a rope type that changes with the length) caps the served context
+there, and a longer ``--max-model-len`` is refused naming the field. One test per refusal kind."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_cases import hf_config, save_random_checkpoint
+
+
+def _build(cfg, tp=None):
+    """The family model of ``cfg`` on the meta device (what build_model does before reading any weight)."""
+    from pagedserve.models.registry import MODEL_REGISTRY, architecture_of
+
+    with torch.device("meta"):
+        return MODEL_REGISTRY[architecture_of(cfg)](cfg) if tp is None else MODEL_REGISTRY[architecture_of(cfg)](cfg, tp)
+
+
+def test_unregistered_architecture_refused(tmp_path):
+    from transformers import GptOssConfig
+
+    from pagedserve.models.loader import ModelSource
+    from pagedserve.models.registry import build_model
+
+    cfg = GptOssConfig(architectures=["GptOssForCausalLM"])
+    source = ModelSource(str(tmp_path), str(tmp_path), None)  # never read: the refusal comes first
+    with pytest.raises(ValueError, match="architecture 'GptOssForCausalLM' is not supported"):
+        build_model(source, cfg, torch.float32, "cpu")
+
+
+def test_activation_refused():
+    from pagedserve.models.decoder import UnsupportedConfig
+
+    with pytest.raises(UnsupportedConfig, match=r"^hidden_act='gelu': the MLP runs SwiGLU"):
+        _build(hf_config("llama", hidden_act="gelu"))
+
+
+def test_unknown_rope_type_refused():
+    from pagedserve.models.decoder import UnsupportedConfig
+
+    cfg = hf_config("llama")
+    cfg.rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedConfig, match=r"^rope_parameters.rope_type='proportional' is not supported"):
+        _build(cfg)
+
+
+def test_missing_rope_parameter_refused():
+    from pagedserve.models.decoder import UnsupportedConfig
+
+    cfg = hf_config("llama")
+    cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                           "original_max_position_embeddings": 64}
+    with pytest.raises(UnsupportedConfig, match=r"^rope_parameters.high_freq_factor is required"):
+        _build(cfg)
+
+
+def test_odd_partial_rotary_refused():
+    from pagedserve.models.decoder import UnsupportedConfig
+
+    with pytest.raises(UnsupportedConfig, match=r"^partial_rotary_factor gives 5 rotary features"):
+        _build(hf_config("phi3", partial_rotary_factor=5 / 16))
+
+
+def test_whole_projection_qk_norm_refused_under_tensor_parallel():
+    from pagedserve.models.decoder import UnsupportedConfig
+    from pagedserve.models.layers import TPGroup
+
+    with pytest.raises(UnsupportedConfig, match=r"^tensor_parallel_size: q/k RMSNorm over the whole projection"):
+        _build(hf_config("olmo2"), TPGroup(rank=0, size=2))
+
+
+def test_no_rope_layers_length_refused():
+    from pagedserve.models.decoder import UnsupportedConfig
+
+    cfg = hf_config("smollm3")
+    cfg.no_rope_layers = [1, 0]
+    with pytest.raises(UnsupportedConfig, match=r"^no_rope_layers has 2 entries for 3 layers"):
+        _build(cfg)
+
+
+def _engine(model, cfg, **kwargs):
+    from backend_cases import word_tokenizer
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
+
+    config = EngineConfig(device="cpu", dtype="float32", attention_backend="torch", num_kv_blocks=64, **kwargs)
+    return build_engine(config, model=model, tokenizer=word_tokenizer(256), hf_config=cfg)
+
+
+@pytest.mark.parametrize("label,extra,field,limit", [
+    ("mistral", dict(sliding_window=64), "sliding_window=64", 64),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=96, max_window_layers=1), "sliding_window=96", 96),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=80, max_window_layers=2), "sliding_window=80", 80),
+    ("phi3", dict(sliding_window=48), "sliding_window=48", 48),
+    ("phi3-longrope", {}, "rope_parameters.rope_type='longrope'", 128),
+])
+def test_exact_only_up_to_a_length_caps_the_context(tmp_path, label, extra, field, limit):
+    """The served context stops where the model stops being exact (a prompt past it is refused, never served
+    approximately), and a larger --max-model-len is refused naming the field."""
+    from pagedserve.models.loader import ModelSource
+    from pagedserve.models.registry import build_model
+    from pagedserve.sampling_params import SamplingParams
+
+    save_random_checkpoint(hf_config(label, **extra), tmp_path)
+    src = ModelSource.resolve(str(tmp_path))
+    cfg = src.load_config()
+    model = build_model(src, cfg, torch.float32, "cpu")
+    assert model.max_exact_len == limit and model.max_exact_len_reason.startswith(field)
+    engine, info = _engine(model, cfg)
+    assert info.max_model_len == limit
+    with pytest.raises(ValueError, match="max_model_len|context|long"):
+        engine.add_request("long", list(range(2, 2 + limit + 1)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=f"max_model_len {limit + 16} > {limit}, the most this model runs exactly: "
+                                         f"{field}"):
+        _engine(model, cfg, max_model_len=limit + 16)
+    engine, info = _engine(model, cfg, max_model_len=limit)
+    assert info.max_model_len == limit
+
+
+def test_windows_that_cannot_bind_are_not_capped():
+    """A window switched off (use_sliding_window false, or no sliding_window) caps nothing."""
+    assert _build(hf_config("qwen2", use_sliding_window=False, sliding_window=32)).max_exact_len is None
+    assert _build(hf_config("mistral", sliding_window=None)).max_exact_len is None
+    assert _build(hf_config("llama")).max_exact_len is None
