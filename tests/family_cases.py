@@ -31,6 +31,13 @@ FAMILIES = {
                                       logits_scaling=4.0), "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", {}, "Olmo2ForCausalLM"),
     "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0, 1]), "SmolLM3ForCausalLM"),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+                "MixtralForCausalLM"),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, mlp_only_layers=[1]), "Qwen3MoeForCausalLM"),
+    "qwen3-moe-unnormed": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                                  norm_topk_prob=False, decoder_sparse_step=2),
+                           "Qwen3MoeForCausalLM"),
 }
 
 
@@ -44,11 +51,36 @@ def hf_config(label: str, **more):
     return getattr(transformers, cls)(**kw)
 
 
-def save_random_checkpoint(cfg, path) -> torch.nn.Module:
-    """HF's own model of ``cfg`` with seeded random weights, saved to ``path``; returns it (eval mode)."""
+def save_random_checkpoint(cfg, path, train_steps: int = 0) -> torch.nn.Module:
+    """HF's own model of ``cfg`` with seeded random weights (then ``train_steps`` of :func:`train_briefly`), saved to
+    ``path``; returns it (eval mode)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
+    if train_steps:
+        train_briefly(model, train_steps)
     model.save_pretrained(path)
     return model
+
+
+def train_briefly(model: torch.nn.Module, steps: int = 400, seed: int = 0) -> torch.nn.Module:
+    """Fit ``model`` (an HF causal LM) for ``steps`` Adam steps on a seeded bigram language (each token has one
+    successor, ``succ = perm[token]``), so its predictions are confident as a trained LM's are: a random-weight model's
+    top-1 margins are too small to tell a kernel's rounding from a wrong result. Returns it in eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    perm = torch.randperm(vocab - 2, generator=gen) + 2
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        tok = torch.randint(2, vocab, (8,), generator=gen)
+        seq = [tok]
+        for _ in range(63):
+            seq.append(perm[seq[-1] - 2])
+        ids = torch.stack(seq, dim=1)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()

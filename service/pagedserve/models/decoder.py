@@ -27,6 +27,7 @@ from ..kernels import elementwise_ref as ops
 from . import layers
 from .layers import SINGLE, TPGroup
 from .config_checks import UnsupportedConfig, require, window_limit
+from .moe import MoeSpec, mlp_for_layer
 from .rope import inv_freq_and_factor, rope_parameters, rope_table, rotary_dim_of
 
 
@@ -47,6 +48,7 @@ class DecoderSpec:
         logits_scaling: logits are divided by it.
         max_exact_len: tokens up to which the model is exact (None: ``max_position_embeddings``);
             ``max_exact_len_reason`` names the config field behind it.
+        moe: the mixture-of-experts layers (:class:`~.moe.MoeSpec`; None: every MLP dense).
     """
 
     qkv_bias: bool = False
@@ -61,6 +63,7 @@ class DecoderSpec:
     logits_scaling: float = 1.0
     max_exact_len: int | None = None
     max_exact_len_reason: str = ""
+    moe: MoeSpec | None = None
 
     def capped(self, limit: int | None, reason: str) -> DecoderSpec:
         """This spec with ``max_exact_len`` lowered to ``limit`` (None: unchanged)."""
@@ -145,7 +148,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, spec: DecoderSpec, layer_idx: int, rotary_dim: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, spec, layer_idx, rotary_dim, tp)
-        self.mlp = DecoderMLP(cfg, spec, tp)
+        self.mlp = mlp_for_layer(cfg, spec, layer_idx, tp, lambda: DecoderMLP(cfg, spec, tp))
         self.eps, self.post_norms = cfg.rms_norm_eps, spec.norm_layout == "post"
         self.residual_multiplier = spec.residual_multiplier
         if self.post_norms:
@@ -236,9 +239,16 @@ class DecoderForCausalLM(nn.Module):
     def plain_llama(self) -> bool:
         """Whether every layer is Llama's (what the fused C++ decode stack, :mod:`.fused_decode`, runs)."""
         s = self.spec
-        return (s.qk_norm == "none" and s.norm_layout == "pre" and s.rope_layers is None
+        return (s.qk_norm == "none" and s.norm_layout == "pre" and s.rope_layers is None and s.moe is None
                 and s.embedding_multiplier == 1.0 and s.residual_multiplier == 1.0 and s.logits_scaling == 1.0
                 and s.attention_multiplier is None and self.rotary_dim == self.head_dim)
+
+    @property
+    def host_sync_reason(self) -> str | None:
+        """Why the forward reads the host mid-step (so it cannot be compiled or graph-captured), or None."""
+        if self.spec.moe is not None:
+            return "the mixture-of-experts layers count each expert's tokens on the host (models/moe.py)"
+        return None
 
     def refresh_fused_decode(self) -> None:
         """(Re)build :attr:`fused_decode` from the layers' VNNI state, None where it cannot run (called by
@@ -298,10 +308,10 @@ class DecoderForCausalLM(nn.Module):
         return logits
 
     # ---- weights ----------------------------------------------------------------------------------------------
-    _STACKED = {  # HF name fragment -> (our param fragment, shard index)
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-        "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    _STACKED = {  # HF name fragment -> (our param fragment, shard index); ".gate_proj." also in experts
+        "self_attn.q_proj.": ("self_attn.qkv_proj.", 0), "self_attn.k_proj.": ("self_attn.qkv_proj.", 1),
+        "self_attn.v_proj.": ("self_attn.qkv_proj.", 2), ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
     }
 
     def hf_weights(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:

@@ -6,9 +6,10 @@ import torch
 from .granite import GraniteForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .loader import ModelSource
+from .mixtral import MixtralForCausalLM
 from .olmo2 import Olmo2ForCausalLM
 from .phi3 import Phi3ForCausalLM
-from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from .smollm3 import SmolLM3ForCausalLM
 
 #: HF ``architectures`` name -> the family class (each a :class:`~.decoder.DecoderForCausalLM` with its options).
@@ -18,13 +19,16 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 

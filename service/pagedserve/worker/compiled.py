@@ -27,13 +27,17 @@ log = structlog.get_logger(__name__)
 DEFAULT_COMPILE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
-def compile_supported(backend: AttentionBackend, device: torch.device, tensor_parallel_size: int = 1) -> str | None:
+def compile_supported(backend: AttentionBackend, device: torch.device, tensor_parallel_size: int = 1,
+                      model=None) -> str | None:
     """Why the forward cannot run compiled with ``backend`` on ``device`` (None when it can). On CUDA "compiled"
     means CUDA graphs of decode-only steps (:mod:`pagedserve.worker.cuda_graphs`), which need a backend that
     ``supports_cuda_graphs`` (the cuda one); on CPU it means ``torch.compile`` (this module), which needs traceable
-    elementwise layers (torch ops or custom ops with fakes; dynamo cannot trace the CuPy kernels)."""
+    elementwise layers (torch ops or custom ops with fakes; dynamo cannot trace the CuPy kernels). A ``model`` whose
+    forward reads the host mid-step (its ``host_sync_reason``: mixture-of-experts layers) runs eager."""
     if tensor_parallel_size > 1:
         return "tensor parallelism runs its shards eagerly (the collectives are not traced)"
+    if getattr(model, "host_sync_reason", None):
+        return model.host_sync_reason
     kind = torch.device(device).type
     if kind == "cuda":
         if not backend.supports_cuda_graphs:
@@ -57,13 +61,14 @@ COMPILE_BY_DEFAULT_ON_CPU = False
 CUDA_GRAPHS_BY_DEFAULT = True
 
 
-def use_compiled(enforce_eager: bool | None, backend: AttentionBackend, device, tensor_parallel_size: int = 1) -> bool:
+def use_compiled(enforce_eager: bool | None, backend: AttentionBackend, device, tensor_parallel_size: int = 1,
+                 model=None) -> bool:
     """Whether to compile (CPU) or capture CUDA graphs (CUDA): never with ``enforce_eager=True``; with False
     wherever supported (RuntimeError when not, saying why); with None where supported and on by default
     (:data:`COMPILE_BY_DEFAULT_ON_CPU`, :data:`CUDA_GRAPHS_BY_DEFAULT`)."""
     if enforce_eager:
         return False
-    reason = compile_supported(backend, device, tensor_parallel_size)
+    reason = compile_supported(backend, device, tensor_parallel_size, model)
     if enforce_eager is False and reason is not None:
         raise RuntimeError(f"enforce_eager=False: cannot compile the forward: {reason}")
     by_default = CUDA_GRAPHS_BY_DEFAULT if torch.device(device).type == "cuda" else COMPILE_BY_DEFAULT_ON_CPU

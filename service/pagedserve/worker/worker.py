@@ -79,7 +79,8 @@ class Worker:
         """Compile the forward (CPU: inductor; CUDA: decode CUDA graphs) unless it runs eager
         (:func:`pagedserve.worker.compiled.use_compiled`)."""
         config, runner = self.config, self.runner
-        if not use_compiled(config.enforce_eager, self.backend, self.device, config.tensor_parallel_size):
+        if not use_compiled(config.enforce_eager, self.backend, self.device, config.tensor_parallel_size,
+                            self.model):
             return
         if self.device.type == "cuda":
             runner.compiled = capture_cuda_graphs(config, self.model, self.backend, runner.kv_caches, max_model_len,
