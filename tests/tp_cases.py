@@ -166,3 +166,15 @@ class ExecutorModel:
 
     def compute_logits(self, hidden):
         return self.executor.compute_logits(hidden)
+
+
+def checkpoint_prefill_logits(tp: TPGroup, directory: str, ids: list[int]):
+    """Rank function: float32 ``[T, vocab]`` logits of one prefill of ``ids`` through the checkpoint in
+    ``directory`` built at this rank's shard (rank 0; None elsewhere)."""
+    from pagedserve.models.loader import ModelSource
+    from pagedserve.models.registry import build_model
+
+    source = ModelSource.resolve(directory)
+    model = build_model(source, source.load_config(), torch.float32, "cpu", quantization="none", tp=tp)
+    logits = prefill_logits(model, ids)
+    return logits if tp.rank == 0 else None

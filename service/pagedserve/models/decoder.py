@@ -17,7 +17,6 @@ type that changes with the length) sets :attr:`DecoderSpec.max_exact_len`, which
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -27,49 +26,9 @@ from ..kernels import elementwise_ref as ops
 from . import layers
 from .layers import SINGLE, TPGroup
 from .config_checks import UnsupportedConfig, require, window_limit
-from .moe import MoeSpec, mlp_for_layer
+from .decoder_spec import DecoderSpec
+from .moe import mlp_for_layer
 from .rope import inv_freq_and_factor, rope_parameters, rope_table, rotary_dim_of
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """The options a family sets (defaults: Llama).
-
-    Attributes:
-        qkv_bias, o_bias, mlp_bias: biases on the fused Q/K/V, the output projection, gate/up and down.
-        qk_norm: ``"none"``, ``"head"`` (RMSNorm over each head's ``head_dim`` features, weight ``[head_dim]``,
-            before rotary: Qwen3) or ``"projection"`` (RMSNorm over the whole q and k projections, weights
-            ``[heads * head_dim]``: OLMo 2).
-        norm_layout: ``"pre"`` (norm before each sublayer, Llama) or ``"post"`` (norm of each sublayer's output
-            before the residual add, no input norm: OLMo 2).
-        rope_layers: per layer whether it rotates q/k (None: every layer).
-        embedding_multiplier, residual_multiplier: scale the token embeddings and each sublayer's output.
-        attention_multiplier: the softmax scale (None: ``head_dim ** -0.5``).
-        logits_scaling: logits are divided by it.
-        max_exact_len: tokens up to which the model is exact (None: ``max_position_embeddings``);
-            ``max_exact_len_reason`` names the config field behind it.
-        moe: the mixture-of-experts layers (:class:`~.moe.MoeSpec`; None: every MLP dense).
-    """
-
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: str = "none"
-    norm_layout: str = "pre"
-    rope_layers: tuple[bool, ...] | None = None
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
-    attention_multiplier: float | None = None
-    logits_scaling: float = 1.0
-    max_exact_len: int | None = None
-    max_exact_len_reason: str = ""
-    moe: MoeSpec | None = None
-
-    def capped(self, limit: int | None, reason: str) -> DecoderSpec:
-        """This spec with ``max_exact_len`` lowered to ``limit`` (None: unchanged)."""
-        if limit is None or (self.max_exact_len is not None and self.max_exact_len <= limit):
-            return self
-        return replace(self, max_exact_len=int(limit), max_exact_len_reason=reason)
 
 
 class DecoderAttention(nn.Module):
