@@ -169,12 +169,13 @@ class ExecutorModel:
 
 
 def checkpoint_prefill_logits(tp: TPGroup, directory: str, ids: list[int]):
-    """Rank function: float32 ``[T, vocab]`` logits of one prefill of ``ids`` through the checkpoint in
-    ``directory`` built at this rank's shard (rank 0; None elsewhere)."""
+    """Rank function: the float32 ``[T, vocab]`` logits (as nested lists: a tensor would travel as a shared-memory
+    handle that dies with the rank) of one prefill of ``ids`` through the checkpoint in ``directory`` built at this
+    rank's shard (rank 0; None elsewhere)."""
     from pagedserve.models.loader import ModelSource
     from pagedserve.models.registry import build_model
 
     source = ModelSource.resolve(directory)
     model = build_model(source, source.load_config(), torch.float32, "cpu", quantization="none", tp=tp)
     logits = prefill_logits(model, ids)
-    return logits if tp.rank == 0 else None
+    return logits.tolist() if tp.rank == 0 else None

@@ -141,16 +141,15 @@ def test_int4_teacher_forced_top1_against_dequantized(trained_checkpoint, label)
     assert agree >= 0.99
 
 
-@pytest.mark.parametrize("label", ["qwen3", "phi3"])
+@pytest.mark.parametrize("label", ["qwen3"])
 def test_tensor_parallel_2_equals_1(tmp_path, label):
-    """Two spawned ranks (gloo) give the logits of one: Qwen3's per-head q/k norms on each rank's heads, Phi-3's
-    fused checkpoint tensors split before the shards are cut."""
+    """Two spawned ranks (gloo) give the logits of one: Qwen3's per-head q/k norms on each rank's heads."""
     from tp_cases import run_group
 
     save_random_checkpoint(hf_config(label), tmp_path)
     ids = random.Random(4).choices(range(2, 256), k=90)
-    one = run_group(1, "checkpoint_prefill_logits", str(tmp_path), ids)[0]
+    one = torch.tensor(run_group(1, "checkpoint_prefill_logits", str(tmp_path), ids)[0])
     two = run_group(2, "checkpoint_prefill_logits", str(tmp_path), ids)
     assert two[1] is None
-    torch.testing.assert_close(two[0], one, atol=2e-5, rtol=1e-5)
-    assert torch.equal(two[0].argmax(-1), one.argmax(-1))
+    torch.testing.assert_close(torch.tensor(two[0]), one, atol=2e-5, rtol=1e-5)
+    assert torch.equal(torch.tensor(two[0]).argmax(-1), one.argmax(-1))
