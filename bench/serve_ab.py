@@ -4,7 +4,9 @@ Runs ``bench/serve_compare.py --systems pagedserve`` once per workload for each 
 ``before, after, before, after, ...`` so that both sides see the machine in the same state; the ``before`` side's
 server imports the package from ``--before-src`` (its ``service/`` directory, put first on PYTHONPATH), the ``after``
 side from this checkout. Prints one table: per (workload, concurrency) cell each side's output tok/s, TTFT p50 and
-TPOT p50 and the ratio after / before (tok/s: > 1 is faster; latencies: < 1 is faster).
+TPOT p50 and the ratio after / before (tok/s: > 1 is faster; latencies: < 1 is faster). ``--rounds N`` repeats the
+alternation N times (before/after, after/before, ...) and reports each side's median per cell (a cell of one round
+at one stream is 8 requests: a shared guest's noise can outweigh a 3% criterion there).
 
     git worktree add /tmp/before <commit>
     .venv/bin/python bench/serve_ab.py --before-src /tmp/before/service
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -31,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,16,32", help="passed to serve_compare.py")
     p.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix workload")
     p.add_argument("--out-dir", default="", help="default: /tmp/serve_ab/<UTC time>")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternations per workload (before/after, then after/before, ...); cells report medians")
     p.add_argument("--compare-arg", action="append", default=[], help="extra serve_compare.py argument")
     args = p.parse_args(argv)
     if not os.path.isdir(os.path.join(args.before_src, "pagedserve")):
@@ -63,14 +68,25 @@ def ratio(after, before) -> str:
     return f"{after / before:.3f}" if after is not None and before else "-"
 
 
+def medians(rows: list[dict]) -> dict[tuple, dict]:
+    """{(workload, concurrency): {metric: median over the rounds}} (a metric missing in a round is left out)."""
+    cells: dict[tuple, dict[str, list]] = {}
+    for r in rows:
+        cell = cells.setdefault((r["workload"], r["concurrency"]), {})
+        for k, _ in METRICS:
+            if r.get(k) is not None:
+                cell.setdefault(k, []).append(r[k])
+    return {key: {k: round(statistics.median(v), 2) for k, v in cell.items()} for key, cell in cells.items()}
+
+
 def table(rows: dict[str, list[dict]]) -> str:
-    before = {(r["workload"], r["concurrency"]): r for r in rows["before"]}
+    before, after = medians(rows["before"]), medians(rows["after"])
     lines = ["| workload | streams | " + " | ".join(f"{name} before / after (ratio)" for _, name in METRICS) + " |",
              "|---|---|" + "---|" * len(METRICS)]
-    for r in rows["after"]:
-        b = before.get((r["workload"], r["concurrency"]), {})
-        cells = [f"{b.get(k)} / {r.get(k)} ({ratio(r.get(k), b.get(k))})" for k, _ in METRICS]
-        lines.append(f"| {r['workload']} | {r['concurrency']} | " + " | ".join(cells) + " |")
+    for key, a in after.items():
+        b = before.get(key, {})
+        cells = [f"{b.get(k)} / {a.get(k)} ({ratio(a.get(k), b.get(k))})" for k, _ in METRICS]
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -78,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = args.out_dir or os.path.join("/tmp/serve_ab", datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
     rows: dict[str, list[dict]] = {"before": [], "after": []}
-    for label, extra in workload_args(args):
-        for side in ("before", "after"):
-            rows[side] += run_side(side, extra, args, os.path.join(out_dir, f"{label}-{side}"))
+    for rnd in range(args.rounds):
+        for label, extra in workload_args(args):
+            for side in ("before", "after") if rnd % 2 == 0 else ("after", "before"):
+                rows[side] += run_side(side, extra, args, os.path.join(out_dir, f"{label}-{side}-r{rnd}"))
     text = table(rows)
     with open(os.path.join(out_dir, "serve_ab.md"), "w") as f:
         f.write(text + "\n")
