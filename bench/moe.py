@@ -6,8 +6,8 @@ in one process, alternating: prefill tokens/s of one prompt and decode TPOT of o
 The checkpoint is written by ``save_pretrained`` from ``Qwen3MoeConfig`` with seeded random weights (default: 6
 layers, hidden 256, 8/2 heads of 32, 64 experts of 128, top-8 renormalized, the embedded model's vocabulary and
 tokenizer) and loaded the way ``--model DIR`` loads it. pagedserve: ``build_engine`` with the CPU defaults
-(``--quantization`` as given: ``none`` keeps the float32 weights HF runs, ``int4`` quantizes at load), greedy,
-``ignore_eos``; prefill time is add_request to the first token of a ``max_tokens=1`` request, TPOT is
+(``--quantization`` as given: ``none`` keeps the float32 weights HF runs, ``int4`` quantizes at load; prefix
+caching off, so every repeat prefills in full), greedy, ``ignore_eos``; prefill time is add_request to the first token of a ``max_tokens=1`` request, TPOT is
 (last token - first token) / (tokens - 1) of a ``--new-tokens`` request. HF: ``model(ids)`` for prefill, and
 ``generate(min_new_tokens = max_new_tokens)`` (greedy, KV cache) timed with a streamer for TPOT. Same torch
 threads for both. Prints per system the median over ``--repeats`` and the ratios pagedserve / HF (prefill tok/s:
@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     cfg = source.load_config()
     model = build_model(source, cfg, torch.float32, "cpu", quantization=args.quantization)
     engine, info = build_engine(EngineConfig(device="cpu", dtype="float32", quantization=args.quantization,
+                                             enable_prefix_caching=False,  # every repeat prefills in full
                                              num_kv_blocks=(args.prompt_len + args.new_tokens) // 16 + 8,
                                              max_num_batched_tokens=max(2048, args.prompt_len)),
                                 model=model, tokenizer=tokenizer, hf_config=cfg)
