@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
     from pagedserve.models.loader import ModelSource
+    from pagedserve.models.registry import build_model
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -113,8 +114,6 @@ def main(argv=None) -> int:
     path = tempfile.mkdtemp(prefix="moe-bench-")
     hf = write_checkpoint(args, len(tokenizer), path)
     source = ModelSource.resolve(path)
-    from pagedserve.models.registry import build_model
-
     cfg = source.load_config()
     model = build_model(source, cfg, torch.float32, "cpu", quantization=args.quantization)
     engine, info = build_engine(EngineConfig(device="cpu", dtype="float32", quantization=args.quantization,

@@ -35,9 +35,19 @@ def rotary_cos_sin_cache(head_dim: int, max_position: int, base: float,
     """Rotary embedding table (Su et al., RoFormer 2021): ``[max_position, head_dim]`` fp32, cos in the first half
     of the last dim and sin in the second, for frequencies ``base ** (-2i / head_dim)``."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    t = torch.arange(max_position, dtype=torch.float64)
-    freqs = torch.outer(t, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=torch.float32)
+    return cos_sin_table(inv_freq, max_position, device)
+
+
+def cos_sin_table(inv_freq: torch.Tensor, max_position: int, device: torch.device | str = "cpu",
+                  scale: float = 1.0) -> torch.Tensor:
+    """``[max_position, 2 * len(inv_freq)]`` fp32: ``scale * cos(p * inv_freq)`` in the first half of the last dim
+    and ``scale * sin(p * inv_freq)`` in the second, computed in float64 (the layout :func:`rotary_embedding`
+    reads; ``inv_freq`` from any rope type, see :mod:`pagedserve.models.rope`)."""
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq.double())
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    if scale != 1.0:
+        table = table * scale
+    return table.to(device=device, dtype=torch.float32)
 
 
 def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,

@@ -27,8 +27,14 @@ from . import layers
 from .layers import SINGLE, TPGroup
 from .config_checks import UnsupportedConfig, require, window_limit
 from .decoder_spec import DecoderSpec
-from .moe import mlp_for_layer
+from .moe import SparseMoeBlock
 from .rope import inv_freq_and_factor, rope_parameters, rope_table, rotary_dim_of
+
+
+def llama_biases(cfg) -> dict:
+    """Llama's bias options: Q/K/V and output from ``attention_bias``, gate/up and down from ``mlp_bias``."""
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
 
 
 class DecoderAttention(nn.Module):
@@ -107,7 +113,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, spec: DecoderSpec, layer_idx: int, rotary_dim: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, spec, layer_idx, rotary_dim, tp)
-        self.mlp = mlp_for_layer(cfg, spec, layer_idx, tp, lambda: DecoderMLP(cfg, spec, tp))
+        sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
+        self.mlp = SparseMoeBlock(cfg.hidden_size, spec.moe, tp) if sparse else DecoderMLP(cfg, spec, tp)
         self.eps, self.post_norms = cfg.rms_norm_eps, spec.norm_layout == "post"
         self.residual_multiplier = spec.residual_multiplier
         if self.post_norms:
@@ -135,8 +142,8 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """The model. Built from a transformers ``PretrainedConfig``; weights come from :meth:`load_weights`.
 
-    A family subclasses it and overrides :meth:`spec_of` (the options its config sets; refusals raised there) and,
-    where its checkpoint names differ, :meth:`hf_weights`.
+    A family subclasses it and overrides :meth:`family_spec` (the options its config sets; its own refusals raised
+    there) and, where its checkpoint names differ, :meth:`hf_weights`.
 
     Attributes used by the engine: ``num_layers``, ``num_kv_heads`` (this rank's), ``head_dim``, ``vocab_size``,
     ``max_exact_len`` (see :class:`DecoderSpec`). ``tp``: this process's tensor-parallel rank and size
@@ -148,11 +155,15 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def spec_of(cls, cfg) -> DecoderSpec:
-        """The options of ``cfg`` (Llama's: biases from ``attention_bias`` / ``mlp_bias``)."""
+        """The options of ``cfg``: :meth:`family_spec` under the checks every family shares (the MLP is SwiGLU; a
+        sliding window caps the context, :func:`~.config_checks.window_limit`)."""
         require(cfg, "hidden_act", ("silu",), "the MLP runs SwiGLU")
-        bias = bool(getattr(cfg, "attention_bias", False))
-        spec = DecoderSpec(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
-        return spec.capped(*window_limit(cfg))
+        return cls.family_spec(cfg).capped(*window_limit(cfg))
+
+    @classmethod
+    def family_spec(cls, cfg) -> DecoderSpec:
+        """What this family's config sets (Llama's: the biases of :func:`llama_biases`); families override it."""
+        return DecoderSpec(**llama_biases(cfg))
 
     def __init__(self, cfg, tp: TPGroup = SINGLE):
         super().__init__()
@@ -160,9 +171,6 @@ class DecoderForCausalLM(nn.Module):
         self.config, self.tp, self.spec = cfg, tp, spec
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rope_params = rope_parameters(cfg)
-        if self.rope_params.get("original_max_position_embeddings") is None and \
-                getattr(cfg, "original_max_position_embeddings", None):
-            self.rope_params["original_max_position_embeddings"] = cfg.original_max_position_embeddings
         self.rotary_dim = rotary_dim_of(cfg, head_dim, self.rope_params)
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise UnsupportedConfig(f"partial_rotary_factor gives {self.rotary_dim} rotary features per head; "
@@ -220,7 +228,7 @@ class DecoderForCausalLM(nn.Module):
         """(Re)build the fp32 ``[max_position_embeddings, rotary_dim]`` rotary table (:mod:`.rope`) on the model's
         device."""
         self.cos_sin_cache = rope_table(self.rope_params, self.rotary_dim, self.config.max_position_embeddings,
-                                        self.norm.device).cos_sin
+                                        self.norm.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:

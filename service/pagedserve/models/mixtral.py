@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-from .config_checks import require, window_limit
 from .decoder import DecoderForCausalLM, DecoderSpec
 from .moe import moe_spec_from
 
@@ -17,10 +16,8 @@ _NAMES = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
 
 class MixtralForCausalLM(DecoderForCausalLM):
     @classmethod
-    def spec_of(cls, cfg) -> DecoderSpec:
-        require(cfg, "hidden_act", ("silu",), "the experts run SwiGLU")
-        return DecoderSpec(moe=moe_spec_from(cfg, "num_local_experts", "intermediate_size", True)
-                           ).capped(*window_limit(cfg))
+    def family_spec(cls, cfg) -> DecoderSpec:
+        return DecoderSpec(moe=moe_spec_from(cfg, "num_local_experts", "intermediate_size", True))
 
     def hf_weights(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         for name, tensor in weights:

@@ -104,12 +104,3 @@ def moe_spec_from(cfg, num_experts_field: str, intermediate_field: str, norm_top
                    intermediate_size=int(getattr(cfg, intermediate_field)), norm_topk_prob=bool(norm_topk_prob),
                    sparse_layers=sparse_layers if sparse_layers is not None else (True,) * n)
 
-
-def mlp_for_layer(cfg, spec, layer_idx: int, tp: TPGroup, dense_factory) -> nn.Module:
-    """The layer's MLP: :class:`SparseMoeBlock` where ``spec.moe`` marks the layer sparse, else
-    ``dense_factory()``."""
-    moe = getattr(spec, "moe", None)
-    if moe is not None and moe.sparse_layers[layer_idx]:
-        return SparseMoeBlock(cfg.hidden_size, moe, tp)
-    return dense_factory()
-

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from .config_checks import require, window_limit
 from .decoder import DecoderForCausalLM, DecoderSpec, split_fused
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     @classmethod
-    def spec_of(cls, cfg) -> DecoderSpec:
-        require(cfg, "hidden_act", ("silu",), "the MLP runs SwiGLU")
-        return DecoderSpec().capped(*window_limit(cfg))
+    def family_spec(cls, cfg) -> DecoderSpec:
+        return DecoderSpec()
 
     def hf_weights(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         cfg = self.config

@@ -8,44 +8,25 @@ not imported (private helpers move between releases). The math runs in float64 a
 
 Two types change with the sequence length in transformers (``dynamic`` past ``max_position_embeddings``,
 ``longrope`` past ``original_max_position_embeddings``). A paged cache rotates each key once, so those are exact
-only below that length: :attr:`RopeTable.exact_max_len` says up to where, and the model refuses longer contexts.
+only below that length: :func:`inv_freq_and_factor` says up to where, and the model caps its context there.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from ..kernels.elementwise_ref import cos_sin_table
 from .config_checks import UnsupportedConfig
 
 #: rope types this module computes (transformers' names)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
-@dataclass(frozen=True)
-class RopeTable:
-    """A rotary table and how far it is exact.
-
-    Attributes:
-        cos_sin: ``[max_position, rotary_dim]`` float32: cos of ``position * inv_freq`` in the first half, sin in
-            the second, both times ``attention_factor`` (the layout of
-            :func:`pagedserve.kernels.elementwise_ref.rotary_embedding`).
-        rotary_dim: features of each head that rotate (the first ``rotary_dim``; the rest pass through).
-        exact_max_len: tokens up to which this table equals transformers' rotation (None: every position).
-        rope_type: the type computed.
-    """
-
-    cos_sin: torch.Tensor
-    rotary_dim: int
-    exact_max_len: int | None
-    rope_type: str
-
-
 def rope_parameters(cfg) -> dict:
     """The config's rope parameters as one dict with ``rope_type`` and ``rope_theta`` (transformers 5 keeps them
-    in ``rope_parameters``; older configs in ``rope_scaling`` plus ``rope_theta``). For a config with per-layer-type
-    parameters (``{"full_attention": {...}, "sliding_attention": {...}}``) use :func:`layer_rope_parameters`."""
+    in ``rope_parameters``; older configs in ``rope_scaling`` plus ``rope_theta``), and the config's
+    ``original_max_position_embeddings`` where the parameters lack it (Phi-3 keeps it on the config)."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     legacy = getattr(cfg, "rope_scaling", None) or {}
     for k, v in legacy.items():
@@ -54,6 +35,9 @@ def rope_parameters(cfg) -> dict:
         params["rope_type"] = params.pop("type", "default") or "default"
     if params.get("rope_theta") is None:
         params["rope_theta"] = float(getattr(cfg, "rope_theta", None) or 10000.0)
+    original = getattr(cfg, "original_max_position_embeddings", None)
+    if params.get("original_max_position_embeddings") is None and original:
+        params["original_max_position_embeddings"] = original
     return params
 
 
@@ -129,7 +113,8 @@ def inv_freq_and_factor(params: dict, rotary_dim: int, max_position_embeddings: 
             factor_attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         short = torch.tensor(need("short_factor"), dtype=torch.float64)
         if short.numel() != rotary_dim // 2:
-            raise UnsupportedConfig(f"rope_parameters.short_factor has {short.numel()} entries, expected {rotary_dim // 2}")
+            raise UnsupportedConfig(f"rope_parameters.short_factor has {short.numel()} entries, "
+                                    f"expected {rotary_dim // 2}")
         inv_freq = inv_freq / short
         # past the original length transformers switches every position to long_factor: not a per-key rotation
         exact = original
@@ -150,17 +135,13 @@ def _yarn_attention_factor(params: dict, factor: float) -> float:
 
 
 def rope_table(params: dict, rotary_dim: int, max_position_embeddings: int,
-               device: torch.device | str = "cpu") -> RopeTable:
-    """The rotary table of ``params`` (:func:`rope_parameters`) over ``max_position_embeddings`` positions.
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """The rotary table of ``params`` (:func:`rope_parameters`): ``[max_position_embeddings, rotary_dim]`` float32,
+    cos then sin, both times the rope type's attention factor
+    (:func:`~pagedserve.kernels.elementwise_ref.cos_sin_table`).
 
     Raises:
-        ValueError: see :func:`inv_freq_and_factor`; an odd ``rotary_dim``.
+        UnsupportedConfig: see :func:`inv_freq_and_factor`.
     """
-    if rotary_dim % 2 or rotary_dim <= 0:
-        raise ValueError(f"partial_rotary_factor gives {rotary_dim} rotary features per head; it must be even")
-    inv_freq, scale, exact = inv_freq_and_factor(params, rotary_dim, max_position_embeddings)
-    freqs = torch.outer(torch.arange(max_position_embeddings, dtype=torch.float64), inv_freq)
-    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    if scale != 1.0:
-        table = table * scale
-    return RopeTable(table.to(device=device, dtype=torch.float32), rotary_dim, exact, params.get("rope_type", "default"))
+    inv_freq, scale, _ = inv_freq_and_factor(params, rotary_dim, max_position_embeddings)
+    return cos_sin_table(inv_freq, max_position_embeddings, device, scale)
