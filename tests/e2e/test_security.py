@@ -8,7 +8,6 @@ import http.client
 import ipaddress
 import json
 import ssl
-import statistics
 import subprocess
 import sys
 import time
@@ -158,9 +157,10 @@ def test_api_key_on_grpc_and_http(server, tmp_path):
         assert_no_blocks_held(guarded)
 
 
-def test_key_comparison_is_constant_time(monkeypatch):
-    """Every configured key is compared through hmac.compare_digest on digests, and a wrong key sharing a long prefix
-    with the real one takes no measurably longer to refuse than one differing at its first character."""
+def test_key_comparison_is_constant_time(monkeypatch, tmp_path):
+    """Every configured key is compared through hmac.compare_digest on SHA-256 digests (equal lengths whatever was
+    presented), and every key is compared on every check: no early exit on a match, so neither how much of a key
+    matches nor which key matched changes the work done. (Structural, not timed: a timing ratio flaked on busy CI.)"""
     from pagedserve.serving import auth
 
     secret = "k" * 63 + "z"
@@ -168,25 +168,15 @@ def test_key_comparison_is_constant_time(monkeypatch):
     calls = []
     real = hmac.compare_digest
     monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: calls.append((len(a), len(b))) or real(a, b))
-    assert keys.check(secret) and not keys.check("k" * 64) and not keys.check("x")
-    assert calls == [(32, 32)] * 3  # digests: equal lengths whatever was presented
-    monkeypatch.setattr(auth.hmac, "compare_digest", real)
-
-    def median_ns(candidate: str) -> float:
-        samples = []
-        for _ in range(30):
-            t = time.perf_counter_ns()
-            for _ in range(200):
-                keys.check(candidate)
-            samples.append(time.perf_counter_ns() - t)
-        return statistics.median(samples)
-
-    near, far = [], []
-    for _ in range(5):  # interleaved, so drift on a busy machine hits both
-        near.append(median_ns("k" * 63 + "y"))
-        far.append(median_ns("x" + "k" * 63))
-    ratio = statistics.median(near) / statistics.median(far)
-    assert 0.7 < ratio < 1.4, ratio
+    assert keys.check(secret) and not keys.check("k" * 64) and not keys.check("x") and not keys.check(None)
+    assert calls == [(32, 32)] * 4  # digests: equal lengths whatever was presented
+    calls.clear()
+    (tmp_path / "keys").write_text("first\nsecond\nthird\n")
+    rotated = auth.ApiKeys(api_key_file=str(tmp_path / "keys"))
+    for presented in ("first", "third", "none-of-them", "firs"):
+        rotated.check(presented)
+    assert calls == [(32, 32)] * 12, calls  # three keys, each compared on each of the four checks
+    assert rotated.check("first") and rotated.check("third") and not rotated.check("firs")
 
 
 # ---------------------------------------------------------------------------------------------- bounds
