@@ -35,7 +35,7 @@ if [ ${#wheels[@]} -gt 0 ]; then
 fi
 export PYTHONPATH="$ROOT/service:$ROOT/client${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-# GPU tests that measure (tests/kernels/gpu/test_cuda_graphs_gpu.py) write figures here.
+# GPU tests that measure (tests/kernel_tests/gpu/test_cuda_graphs_gpu.py) write figures here.
 export PAGEDSERVE_DEVICE_LOGS="$LOGS"
 
 note "== device_check $(date -u +%FT%TZ)"
@@ -59,7 +59,7 @@ run_stage() {  # name, timeout seconds, command...
 # NVRTC compiles dominate the gpu tests' time: spread them over 4 workers when pytest-xdist is there.
 XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
 run_stage gpu_tests 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" ${XDIST[@]+"${XDIST[@]}"} \
-  tests/kernels/gpu
+  tests/kernel_tests/gpu
 grep -E "passed|failed|error|skipped" "$LOGS/gpu_tests.log" | tail -n 3 | tee -a "$SUMMARY"
 grep -E "^(FAILED|ERROR)" "$LOGS/gpu_tests.log" | head -n 20 | tee -a "$SUMMARY"
 [ -f "$LOGS/cuda_graphs_tpot.txt" ] && tee -a "$SUMMARY" < "$LOGS/cuda_graphs_tpot.txt"

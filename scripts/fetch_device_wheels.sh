@@ -10,7 +10,7 @@ VENV_PY=${VENV_PY:-.venv/bin/python}
 # grpcio and protobuf travel too: the generated stubs and grpcio-health-checking/-reflection require at least
 # the versions they were generated with, and the image's may be older.
 # nvidia-cuda-runtime-cu12 carries the CUDA 12 headers the host emulator (tests/simt) compiles against, for
-# tests/kernels/gpu/test_simt_probes_gpu.py.
+# tests/kernel_tests/gpu/test_simt_probes_gpu.py.
 PACKAGES=(structlog gguf grpcio grpcio-health-checking grpcio-reflection protobuf nvidia-cuda-runtime-cu12)
 
 specs=()

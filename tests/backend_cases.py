@@ -1,5 +1,5 @@
 """The CUDA attention backend against the torch backend, shared by the GPU tests
-(tests/kernels/gpu/test_cuda_backend_gpu.py) and the host-emulator tests (tests/kernels/test_cuda_backend_simt.py):
+(tests/kernel_tests/gpu/test_cuda_backend_gpu.py) and the host-emulator tests (tests/kernel_tests/test_cuda_backend_simt.py):
 one mixed step, and greedy generation through :class:`pagedserve.engine.llm_engine.LLMEngine` on a random-weight
 Llama, and beam search with copy-on-write KV blocks (the backend's ``copy_blocks``). Also the random-weight Llama
 builder (:func:`random_llama`, :data:`TINY_LLAMA`) behind conftest's shared ``random_llama_model`` / ``tiny_llama``."""

@@ -1,5 +1,5 @@
-"""CUDA-graph decode steps against eager ones, shared by the GPU tests (tests/kernels/gpu/test_cuda_graphs_gpu.py: real
-graphs) and the host-emulator tests (tests/kernels/test_cuda_graphs_simt.py: :class:`HostReplay` stands in for the graph
+"""CUDA-graph decode steps against eager ones, shared by the GPU tests (tests/kernel_tests/gpu/test_cuda_graphs_gpu.py: real
+graphs) and the host-emulator tests (tests/kernel_tests/test_cuda_graphs_simt.py: :class:`HostReplay` stands in for the graph
 on CPU, the emulated cuda backend runs the kernels)."""
 from __future__ import annotations
 

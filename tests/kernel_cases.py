@@ -1,6 +1,6 @@
 """Checks of each CUDA kernel against its torch reference (attention/torch_ref.py, elementwise_ref.py), shared by
-the GPU tests (tests/kernels/gpu/test_kernels_gpu.py, large shapes on a real device) and the host-emulator tests
-(tests/kernels/test_kernels_simt.py, small shapes on CPU tensors). Each function takes the device and the shapes."""
+the GPU tests (tests/kernel_tests/gpu/test_kernels_gpu.py, large shapes on a real device) and the host-emulator tests
+(tests/kernel_tests/test_kernels_simt.py, small shapes on CPU tensors). Each function takes the device and the shapes."""
 from __future__ import annotations
 
 import random

@@ -117,3 +117,23 @@ def test_installed_package_finds_and_compiles_the_decode_kernel(wheel_path, tmp_
     if not report["nvrtc"]:
         pytest.skip("found the installed sources; NVRTC (nvidia-cuda-nvrtc) or the CUDA headers are not installed")
     assert report["cubin_bytes"] > 0 and report["compiled"] == report["expected"]
+
+
+def test_test_modules_shadow_no_installed_package():
+    """pytest puts tests/ on sys.path (pyproject ``pythonpath``), so a top-level test package or helper module named
+    like an installed distribution's module hides it: transformers 5.25 imports the ``kernels`` package, and a
+    ``tests/kernels/`` made every model load fail. No name under tests/ may be one an installed package provides."""
+    import importlib.metadata
+
+    tests_dir = Path(__file__).resolve().parents[1]
+    ours = {p.name for p in tests_dir.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    ours |= {p.stem for p in tests_dir.glob("*.py") if p.stem != "conftest"}
+    installed = set()
+    for dist in importlib.metadata.distributions():
+        top = dist.read_text("top_level.txt")
+        if top:
+            installed |= set(top.split())
+        else:  # wheels without top_level.txt: the first part of each installed path
+            installed |= {f.parts[0].removesuffix(".py") for f in dist.files or () if not f.parts[0].endswith(
+                (".dist-info", ".data", ".pth")) and f.parts[0] != ".."}
+    assert not ours & installed, f"tests/ names that shadow installed packages: {sorted(ours & installed)}"

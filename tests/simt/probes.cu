@@ -1,6 +1,6 @@
 // Probe kernels for the host emulator's own tests: each exercises one emulated primitive through the same
-// pagedserve:: wrappers the kernels use (cuda/common.cuh is prepended). tests/kernels/test_simt_emulator.py runs
-// them on the emulator against the PTX ISA's documented layouts; tests/kernels/gpu/test_simt_probes_gpu.py runs them
+// pagedserve:: wrappers the kernels use (cuda/common.cuh is prepended). tests/kernel_tests/test_simt_emulator.py runs
+// them on the emulator against the PTX ISA's documented layouts; tests/kernel_tests/gpu/test_simt_probes_gpu.py runs them
 // on a GPU and on the emulator and compares, which checks the emulator against the hardware.
 
 // One warp: D[16][8] = A[16][16] B[16][8] + C[16][8] with a single mma.m16n8k16, fragments loaded straight from

@@ -24,7 +24,7 @@
 // Not emulated: timing, memory-model races between threads inside one barrier interval beyond what the shuffled
 // order exposes (a block's fibers interleave only at barriers and collectives), plain (non-__ldg) global loads and
 // stores are not bounds-checked, bank conflicts, register limits (ptxas reports those:
-// tests/kernels/test_kernels_compile.py).
+// tests/kernel_tests/test_kernels_compile.py).
 //
 // The including translation unit defines PAGEDSERVE_SIMT_HOST, includes this file, then the kernel source with
 // `extern __shared__ T name[];` rewritten to `T* name = reinterpret_cast<T*>(::simt::dynamic_smem());` and

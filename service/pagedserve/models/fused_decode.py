@@ -5,7 +5,7 @@ Python around them is not: per layer about a dozen op calls through the dispatch
 attention backend's checks and slices, ~80 us a layer (bench/profile_step.py, "fused decode" in bench/README.md).
 ``csrc/decode_stack.cpp`` loops over the layers in C++ calling the very kernels the Python forward calls, with the
 same arguments in the same order, so the hidden states are bit for bit the Python forward's
-(tests/kernels/test_fused_decode.py checks it), and the op releases the GIL for the whole stack.
+(tests/kernel_tests/test_fused_decode.py checks it), and the op releases the GIL for the whole stack.
 
 It takes a step when every condition of that Python path holds: a model whose layers are all Llama's
 (``plain_llama`` of :class:`~.decoder.DecoderForCausalLM`: no q/k norm, multipliers or partial rotary) at tensor

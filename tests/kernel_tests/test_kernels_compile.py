@@ -1,5 +1,5 @@
 """CUDA kernels without a GPU: NVRTC compiles for sm_80 / sm_90 with no register spills, and launch geometry.
-(Argument checks and launch signatures: tests/kernels/test_kernel_checks.py.)"""
+(Argument checks and launch signatures: tests/kernel_tests/test_kernel_checks.py.)"""
 from __future__ import annotations
 
 import functools

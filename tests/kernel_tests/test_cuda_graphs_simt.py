@@ -2,7 +2,7 @@
 capacity only, empty partitions, padded rows) against the torch reference on the host emulator, and the graph
 runner (engine/cuda_graphs.py) with :class:`graph_cases.HostReplay` standing in for the graph: static buffers,
 padding, eager fallback, and greedy tokens equal to eager ones. Real graphs:
-tests/kernels/gpu/test_cuda_graphs_gpu.py."""
+tests/kernel_tests/gpu/test_cuda_graphs_gpu.py."""
 from __future__ import annotations
 
 import functools

@@ -1,7 +1,7 @@
 """The host emulator (tests/simt) itself: each primitive the kernels use, through the probe kernels of
 tests/simt/probes.cu, against the layouts and semantics the PTX ISA documents (mma.m16n8k16 and ldmatrix fragment
 layouts, cp.async groups), and its error reports (a divergent warp, a shared-memory overrun). The same probes run
-on a GPU and on the emulator in tests/kernels/gpu/test_simt_probes_gpu.py."""
+on a GPU and on the emulator in tests/kernel_tests/gpu/test_simt_probes_gpu.py."""
 from __future__ import annotations
 
 import numpy as np

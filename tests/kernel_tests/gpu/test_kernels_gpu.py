@@ -1,6 +1,6 @@
 """Each CUDA kernel against its torch reference (torch_ref.py, elementwise_ref.py) over a grid of shapes, dtypes,
 head dims, block sizes and GQA ratios. Sized to run in about a minute on an H200 (NVRTC compiles included).
-The checks themselves are in tests/kernel_cases.py; tests/kernels/test_kernels_simt.py runs them on the host
+The checks themselves are in tests/kernel_cases.py; tests/kernel_tests/test_kernels_simt.py runs them on the host
 emulator."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The CUDA attention backend (and the fused elementwise kernels that run with it) on the host emulator against the
 torch backend, on CPU: one mixed step per dtype, and greedy generation through LLMEngine on a small random-weight
 Llama (chunked prefill, prefix-cache hit, more requests than max_num_seqs). The GPU version of the same checks is
-tests/kernels/gpu/test_cuda_backend_gpu.py."""
+tests/kernel_tests/gpu/test_cuda_backend_gpu.py."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """The host emulator against the hardware: the probe kernels of tests/simt/probes.cu (mma.m16n8k16 in f16 and
 bf16, ldmatrix with and without .trans, warp and block reductions, cp.async with zero-fill) run on the GPU through
 NVRTC and on the emulator; their outputs must agree. This is what makes the emulator's CPU results in make test
-(tests/kernels/test_kernels_simt.py) stand for the GPU's."""
+(tests/kernel_tests/test_kernels_simt.py) stand for the GPU's."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,6 @@
 """The CUDA attention backend against the torch backend on a GPU: one mixed step (cache writes and outputs), and
 greedy generation through LLMEngine on a random-weight Llama of SmolLM2-135M's shape. The checks are in
-tests/backend_cases.py; tests/kernels/test_cuda_backend_simt.py runs them on the host emulator at a smaller size."""
+tests/backend_cases.py; tests/kernel_tests/test_cuda_backend_simt.py runs them on the host emulator at a smaller size."""
 from __future__ import annotations
 
 import pytest

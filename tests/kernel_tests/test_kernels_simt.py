@@ -123,14 +123,14 @@ full_grid = pytest.mark.skipif(os.environ.get("PAGEDSERVE_SIMT_FULL") != "1",
 
 @full_grid
 def test_gpu_grid_decode(sim):
-    """tests/kernels/gpu/test_kernels_gpu.py's decode grid (batch 256, contexts to 16k, GQA 1..16) for every config."""
+    """tests/kernel_tests/gpu/test_kernels_gpu.py's decode grid (batch 256, contexts to 16k, GQA 1..16) for every config."""
     for dtype, head_dim, block_size in ALL_CONFIGS:
         kc.check_decode(CPU, dtype, head_dim, block_size, kc.GPU_DECODE_CASES, max_seqs_256=64)
 
 
 @full_grid
 def test_gpu_grid_prefill(sim):
-    """tests/kernels/gpu/test_kernels_gpu.py's prefill grid (a 15,000-token prefix, a 1,000-token chunk) for every
+    """tests/kernel_tests/gpu/test_kernels_gpu.py's prefill grid (a 15,000-token prefix, a 1,000-token chunk) for every
     config."""
     for dtype, head_dim, block_size in ALL_CONFIGS:
         kc.check_prefill(CPU, dtype, head_dim, block_size, **kc.gpu_prefill_case(block_size))

@@ -2,7 +2,7 @@
 random-weight Llama of SmolLM2-135M's shape (cuda attention backend, fp32 so that greedy ties cannot flip between
 the eager decode plan and the graphs' fixed grid), and TPOT with and without graphs, printed (not asserted) and
 written to ``$PAGEDSERVE_DEVICE_LOGS/cuda_graphs_tpot.txt`` when scripts/device_check.sh sets it. The emulator
-version of the same checks: tests/kernels/test_cuda_graphs_simt.py."""
+version of the same checks: tests/kernel_tests/test_cuda_graphs_simt.py."""
 from __future__ import annotations
 
 import os
