@@ -4,7 +4,7 @@
 #      runtime wheel is only unpacked, for the host emulator's headers);
 #   2. pytest -m gpu (each CUDA kernel against its torch reference, backend vs backend, greedy end to end, CUDA
 #      graph replay vs eager and TPOT with and without graphs);
-#   3. bench/kernels.py (decode kernel: % of copy bandwidth, time vs gather + SDPA);
+#   3. bench/attention_kernels.py (decode kernel: % of copy bandwidth, time vs gather + SDPA);
 #   4. scripts/serve_smoke.py (pagedserve serve on the GPU with the cuda attention backend).
 # Logs and a summary go to $OUT when it is set (else a temp dir); the summary is also printed.
 # Exit status: 0 when every stage passed.
@@ -64,7 +64,7 @@ grep -E "passed|failed|error|skipped" "$LOGS/gpu_tests.log" | tail -n 3 | tee -a
 grep -E "^(FAILED|ERROR)" "$LOGS/gpu_tests.log" | head -n 20 | tee -a "$SUMMARY"
 [ -f "$LOGS/cuda_graphs_tpot.txt" ] && tee -a "$SUMMARY" < "$LOGS/cuda_graphs_tpot.txt"
 
-run_stage bench 80 "$PY" bench/kernels.py --json "$LOGS/bench.json"
+run_stage bench 80 "$PY" bench/attention_kernels.py --json "$LOGS/bench.json"
 grep -vE "^(Traceback|  )" "$LOGS/bench.log" | tail -n 20 | tee -a "$SUMMARY"
 
 # HOOK(lead): the serve smoke test starts `python -m pagedserve.cli serve`; see scripts/serve_smoke.py.

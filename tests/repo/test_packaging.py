@@ -120,14 +120,17 @@ def test_installed_package_finds_and_compiles_the_decode_kernel(wheel_path, tmp_
 
 
 def test_test_modules_shadow_no_installed_package():
-    """pytest puts tests/ on sys.path (pyproject ``pythonpath``), so a top-level test package or helper module named
-    like an installed distribution's module hides it: transformers 5.25 imports the ``kernels`` package, and a
-    ``tests/kernels/`` made every model load fail. No name under tests/ may be one an installed package provides."""
+    """pytest puts tests/ on sys.path (pyproject ``pythonpath``), and the bench tests put bench/ there, so a
+    top-level module there named like an installed distribution's module hides it: transformers 5.25 imports the
+    ``kernels`` package, and ``tests/kernels/`` (then ``bench/kernels.py``) made every model load fail. No name
+    in tests/ or bench/ may be one an installed package provides."""
     import importlib.metadata
 
-    tests_dir = Path(__file__).resolve().parents[1]
-    ours = {p.name for p in tests_dir.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    ours |= {p.stem for p in tests_dir.glob("*.py") if p.stem != "conftest"}
+    root = Path(__file__).resolve().parents[2]
+    ours = set()
+    for folder in (root / "tests", root / "bench"):
+        ours |= {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+        ours |= {p.stem for p in folder.glob("*.py") if p.stem != "conftest"}
     installed = set()
     for dist in importlib.metadata.distributions():
         top = dist.read_text("top_level.txt")

@@ -8,7 +8,7 @@ Timing: CUDA events around ``--iters`` back-to-back launches queued behind a GPU
 the host's launch overhead is hidden and the figure is GPU time per call. Bandwidth counts the bytes the kernel
 must move: K and V of every context (plus the query and output, negligible); the copy's counts read + write.
 
-Usage: python bench/kernels.py [--contexts 512,1024,2048,4096,8192] [--dtypes float16,bfloat16] [--json out.json]
+Usage: python bench/attention_kernels.py [--contexts 512,1024,2048,4096,8192] [--dtypes float16,bfloat16] [--json out.json]
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows and verdicts here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA device", file=sys.stderr)
+        print("bench/attention_kernels.py: no CUDA device", file=sys.stderr)
         return 2
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  ({kernels.num_sms(0)} SMs)")
