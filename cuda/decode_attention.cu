@@ -14,6 +14,11 @@
 // warps merge through shared memory (reusing the ring). With more than one partition, each block writes its
 // normalised partial output with its running max and sum, and paged_decode_merge_kernel combines them with a
 // log-sum-exp weighting.
+//
+// Sliding window (sliding_window = W > 0): the token at position ctx - 1 sees positions ctx - W .. ctx - 1 only
+// (transformers' sliding_window). The partitions then cover [lo, ctx) with lo = window_read_start(): the window's
+// first token rounded down to its cache block, so chunks stay inside blocks; the tokens of [lo, ctx - W) are
+// masked and zero-filled, and only the window's blocks are read.
 #include "decode_chunk.cuh"
 
 // out:        [num_seqs, num_heads, HEAD_DIM], rows out_stride elements apart (written when gridDim.x == 1).
@@ -24,8 +29,9 @@
 // k_cache, v_cache: [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM] contiguous.
 // block_tables:     [num_seqs, >= ceil(context_len / BLOCK_SIZE)] int32, rows block_table_stride apart.
 // context_lens:     [num_seqs] int32.
-// partition_size:   tokens per partition, a multiple of BLOCK_SIZE (>= the longest context when gridDim.x == 1).
+// partition_size:   tokens per partition, a multiple of BLOCK_SIZE (>= the longest context read when gridDim.x == 1).
 // scale_log2:       softmax scale * log2(e).
+// sliding_window:   0 (every token of the context), or W > 0 (the last W tokens).
 // Dynamic shared memory: DecodeLayout::kSmemBytes.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GQA_TILE, int NUM_WARPS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
@@ -34,7 +40,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
                         const T* __restrict__ v_cache, const int* __restrict__ block_tables,
                         const int* __restrict__ context_lens, long long out_stride, long long q_stride,
                         int block_table_stride, int num_heads, int num_kv_heads, int partition_size,
-                        float scale_log2) {
+                        float scale_log2, int sliding_window) {
   using namespace pagedserve;
   using L = DecodeLayout<T, HEAD_DIM, BLOCK_SIZE, GQA_TILE, NUM_WARPS>;
   constexpr int kThreads = NUM_WARPS * 32, kS = L::kStages;
@@ -50,7 +56,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
   const int heads_here = min(GQA_TILE, kv_head * group + group - head_base);
 
   const int ctx = context_lens[seq];
-  const int start = part * partition_size;
+  const int begin = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;  // the first token attended to
+  const int start = window_read_start(ctx, sliding_window, BLOCK_SIZE) + part * partition_size;
   if (start >= ctx) {
     // An empty context has no keys: its output is defined as zeros. Other empty partitions write nothing; the
     // merge kernel reads only the partitions that hold tokens.
@@ -103,17 +110,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
   for (int k = 0; k < kS - 1; ++k) {
     const int chunk = first + k * kStride;
     stage_chunk<L>(ring + k * 2 * L::kStageVecs, k_cache, v_cache, chunk, chunk_base(chunk, table_entry(chunk)),
-                   end, row_stride, row, lane);
+                   begin, end, row_stride, row, lane);
   }
   int ahead = first + (kS - 1) * kStride;  // the next chunk to stage, and its block-table entry
   int ahead_phys = table_entry(ahead);
   for (int k = 0, chunk = first; chunk < end; ++k, chunk += kStride) {
     stage_chunk<L>(ring + ((k + kS - 1) % kS) * 2 * L::kStageVecs, k_cache, v_cache, ahead,
-                   chunk_base(ahead, ahead_phys), end, row_stride, row, lane);
+                   chunk_base(ahead, ahead_phys), begin, end, row_stride, row, lane);
     ahead += kStride;
     ahead_phys = table_entry(ahead);
     cp_async_wait<kS - 1>();  // this lane's copies of chunk k have landed
-    attend_chunk<L, T, GQA_TILE>(st, q, ring + (k % kS) * 2 * L::kStageVecs, end - chunk, row, lane);
+    attend_chunk<L, T, GQA_TILE>(st, q, ring + (k % kS) * 2 * L::kStageVecs, begin - chunk, end - chunk, row, lane);
   }
   cp_async_wait<0>();
 
@@ -149,7 +156,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
 
   for (int i = threadIdx.x; i < heads_here * HEAD_DIM; i += kThreads) {
     const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-    float gmax = s_max[g];  // warp 0 always owns the partition's first chunk: finite
+    float gmax = s_max[g];  // -inf only for a warp whose tokens were all before the window; some warp's is finite
 #pragma unroll
     for (int w = 1; w < NUM_WARPS; ++w) gmax = fmaxf(gmax, s_max[w * GQA_TILE + g]);
     float total = 0.f, o = 0.f;
@@ -176,17 +183,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
 // Combines the partitions of paged_decode_kernel (Flash-Decoding's reduction): with M the largest partition max,
 // out = sum_p w_p * o_p / sum_p w_p, w_p = sum_p * exp2(max_p - M), over the partitions that hold tokens.
 // Grid: (num_heads, num_seqs); block: HEAD_DIM threads (at most 256); dynamic shared memory: num_parts floats.
+// sliding_window and block_size: the decode kernel's (they say where its partitions start).
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
     paged_decode_merge_kernel(T* __restrict__ out, const float* __restrict__ part_out,
                               const float* __restrict__ part_max, const float* __restrict__ part_sum,
                               const int* __restrict__ context_lens, long long out_stride, int num_parts,
-                              int partition_size) {
+                              int partition_size, int sliding_window, int block_size) {
   using namespace pagedserve;
   extern __shared__ float s_weight[];
   const int head = blockIdx.x, num_heads = gridDim.x, seq = blockIdx.y;
   const int ctx = context_lens[seq];
-  const int used = ctx <= 0 ? 0 : min(num_parts, (ctx + partition_size - 1) / partition_size);
+  const int read = ctx - window_read_start(ctx, sliding_window, block_size);  // tokens the partitions cover
+  const int used = ctx <= 0 ? 0 : min(num_parts, (read + partition_size - 1) / partition_size);
   const long long base = ((long long)seq * num_heads + head) * num_parts;
 
   float gmax = neg_inf();

@@ -7,6 +7,14 @@
 
 namespace pagedserve {
 
+// Where paged_decode_kernel's partitions start for a context of ctx tokens: 0, or under a sliding window W > 0 the
+// window's first token (ctx - W) rounded down to its cache block. The merge kernel uses the same rule.
+__device__ __forceinline__ int window_read_start(int ctx, int sliding_window, int block_size) {
+  if (sliding_window <= 0 || ctx <= sliding_window) return 0;
+  const int first = ctx - sliding_window;
+  return first - first % block_size;
+}
+
 // How lanes map onto K/V rows. A row (one token, one KV head) is HEAD_DIM elements = kRowVecs 16-byte vectors;
 // kLanesPerRow lanes read it (kVecsPerLane vectors each, coalesced), so a warp covers kRows tokens per step.
 // kernel_geometry.decode_smem_bytes mirrors kSmemBytes; the kernel traps if it is launched with less.
@@ -46,15 +54,18 @@ template <int GQA_TILE, int ELEMS> struct SoftmaxState {
 };
 
 // Stage one chunk (kChunk tokens inside one cache block) of K and V into `stage` of this warp's ring: step s,
-// vector j of this lane lands at [(s * kVecsPerLane + j) * 32 + lane] (conflict-free 16-byte accesses). Tokens at
-// or past `end` are zero-filled. Commits a cp.async group, an empty one past the end so the count stays uniform.
+// vector j of this lane lands at [(s * kVecsPerLane + j) * 32 + lane] (conflict-free 16-byte accesses). Tokens
+// before `begin` (outside a sliding window) or at or past `end` are zero-filled. Commits a cp.async group, an empty
+// one past the end so the count stays uniform.
 template <typename L, typename T>
 __device__ __forceinline__ void stage_chunk(uint4* stage, const T* k_cache, const T* v_cache, int chunk,
-                                            long long chunk_base, int end, long long row_stride, int row, int lane) {
+                                            long long chunk_base, int begin, int end, long long row_stride, int row,
+                                            int lane) {
   if (chunk < end) {
 #pragma unroll
     for (int s = 0; s < L::kSteps; ++s) {
-      const bool valid = chunk + s * L::kRows + row < end;
+      const int token = chunk + s * L::kRows + row;
+      const bool valid = token >= begin && token < end;
       const long long base = chunk_base + (valid ? (long long)(s * L::kRows + row) * row_stride : 0);
 #pragma unroll
       for (int j = 0; j < L::kVecsPerLane; ++j) {
@@ -70,11 +81,13 @@ __device__ __forceinline__ void stage_chunk(uint4* stage, const T* k_cache, cons
 
 // One staged chunk into the online softmax: scores of every step's token for every head (partial dot products,
 // then a butterfly over the lanes of the row), the chunk max over the warp, rescaling, and acc += p * V.
-// `valid_rows` = tokens of the chunk before the partition's end (>= 1: the chunk's first token is valid).
+// Rows [first_valid, valid_rows) of the chunk are attended to: valid_rows = tokens before the partition's end (>= 1),
+// first_valid = the sliding window's first token relative to the chunk (<= 0 without a window). A chunk may hold no
+// valid row (all before the window): it then adds nothing.
 template <typename L, typename T, int GQA_TILE>
 __device__ __forceinline__ void attend_chunk(SoftmaxState<GQA_TILE, L::kElems>& st,
                                              const float (&q)[GQA_TILE][L::kElems], const uint4* stage,
-                                             int valid_rows, int row, int lane) {
+                                             int first_valid, int valid_rows, int row, int lane) {
   float sc[L::kSteps][GQA_TILE];
 #pragma unroll
   for (int s = 0; s < L::kSteps; ++s) {
@@ -86,7 +99,8 @@ __device__ __forceinline__ void attend_chunk(SoftmaxState<GQA_TILE, L::kElems>& 
 #pragma unroll
       for (int e = 0; e < L::kVec; ++e) kf[j * L::kVec + e] = f[e];
     }
-    const bool valid = s * L::kRows + row < valid_rows;
+    const int r = s * L::kRows + row;
+    const bool valid = r >= first_valid && r < valid_rows;
 #pragma unroll
     for (int g = 0; g < GQA_TILE; ++g) {
       float dot = 0.f;
@@ -101,14 +115,16 @@ __device__ __forceinline__ void attend_chunk(SoftmaxState<GQA_TILE, L::kElems>& 
     float cmax = sc[0][g];
 #pragma unroll
     for (int s = 1; s < L::kSteps; ++s) cmax = fmaxf(cmax, sc[s][g]);
-    cmax = warp_max_range<L::kLanesPerRow, 32>(cmax);  // finite: the chunk's first token is valid
+    cmax = warp_max_range<L::kLanesPerRow, 32>(cmax);  // -inf only when every row is before the window
     const float m_new = fmaxf(st.m[g], cmax);
-    const float alpha = exp2f(st.m[g] - m_new);  // 0 on the first chunk (m = -inf)
+    // Nothing valid yet keeps m = -inf: subtract 0 instead so exp2 gives 0, not NaN.
+    const float base = m_new == neg_inf() ? 0.f : m_new;
+    const float alpha = exp2f(st.m[g] - base);  // 0 on the first chunk with a valid row (m = -inf)
     st.m[g] = m_new;
     float psum = 0.f;
 #pragma unroll
     for (int s = 0; s < L::kSteps; ++s) {
-      sc[s][g] = exp2f(sc[s][g] - m_new);  // masked tokens: exp2(-inf) = 0
+      sc[s][g] = exp2f(sc[s][g] - base);  // masked tokens: exp2(-inf) = 0
       psum += sc[s][g];
     }
     st.l[g] = st.l[g] * alpha + psum;

@@ -1,8 +1,9 @@
 // Paged prefill attention: a step's new tokens (a prefill chunk, possibly after a prefix-cache hit) attend causally
 // to their sequence's cached prefix and to themselves, reading K/V through the block table.
 //
-// Query row r of a sequence (0 <= r < query_len) sits at absolute position context_len - query_len + r and sees
-// keys 0..that position. Grid: (ceil(max_query_len / BLOCK_M), num_heads, num_prefill_seqs); the m-tiles are
+// Query row r of a sequence (0 <= r < query_len) sits at absolute position p = context_len - query_len + r and sees
+// keys 0..p, or under a sliding window W > 0 keys p - W + 1 .. p (transformers' sliding_window): a tile then starts
+// at the key tile holding its first row's first key, and keys before a row's window are masked. Grid: (ceil(max_query_len / BLOCK_M), num_heads, num_prefill_seqs); the m-tiles are
 // visited last-first so the longest (most keys) start first. Blocks past a sequence's query_len exit at once.
 //
 // fp16 / bf16: FlashAttention-2 (Dao 2023) on tensor cores. Each warp owns 16 query rows; S = Q K^T and O += P V
@@ -20,15 +21,16 @@ template <int HEAD_DIM> __device__ __forceinline__ int swizzled(int row, int chu
   return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
 }
 
-// Gathers keys/values [n0, n0 + ROWS) of one KV head into a swizzled tile; rows at or past `kv_end` are zeroed.
+// Gathers keys/values [n0, n0 + ROWS) of one KV head into a swizzled tile; rows before `kv_begin` (outside every
+// row's sliding window) or at or past `kv_end` are zeroed.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int ROWS, int THREADS>
-__device__ __forceinline__ void load_kv_tile(T* tile, const T* cache, const int* table, int n0, int kv_end,
-                                             long long row_stride, long long head_offset) {
+__device__ __forceinline__ void load_kv_tile(T* tile, const T* cache, const int* table, int n0, int kv_begin,
+                                             int kv_end, long long row_stride, long long head_offset) {
   constexpr int kChunks = HEAD_DIM / 8;
 #pragma unroll
   for (int i = threadIdx.x; i < ROWS * kChunks; i += THREADS) {
     const int r = i / kChunks, c = i % kChunks, token = n0 + r;
-    const bool valid = token < kv_end;
+    const bool valid = token >= kv_begin && token < kv_end;
     long long offset = 0;
     if (valid) {
       const int phys = __ldg(table + token / BLOCK_SIZE);
@@ -46,6 +48,7 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* cache, const int*
 // block_tables:    [num_seqs, max_blocks] int32, rows block_table_stride apart.
 // context_lens:    [num_seqs] int32 (cached + new tokens). query_start_loc: [num_seqs + 1] int32.
 // seq_offset:      index of the first prefill sequence (decodes come first). scale_log2: scale * log2(e).
+// sliding_window:  0 (causal over the whole context), or W > 0.
 // Dynamic shared memory: (16 * NUM_WARPS + 2 * BLOCK_N) * HEAD_DIM * sizeof(T) bytes.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int NUM_WARPS, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
@@ -53,7 +56,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
                          const T* __restrict__ v_cache, const int* __restrict__ block_tables,
                          const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
                          long long out_stride, long long q_stride, int block_table_stride, int num_heads,
-                         int num_kv_heads, int seq_offset, float scale_log2) {
+                         int num_kv_heads, int seq_offset, float scale_log2, int sliding_window) {
   using namespace pagedserve;
   constexpr int kThreads = NUM_WARPS * 32, kBlockM = 16 * NUM_WARPS;
   constexpr int kChunks = HEAD_DIM / 8, kKSteps = HEAD_DIM / 16, kNTiles = BLOCK_N / 8, kDTiles = HEAD_DIM / 8;
@@ -73,6 +76,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
   const int prefix = context_lens[seq] - q_len;
   const int rows_here = min(kBlockM, q_len - m0);
   const int kv_end = prefix + m0 + rows_here;  // the tile's last row sees keys [0, kv_end)
+  // the tile's first row sees keys from kv_begin on (0 without a window); earlier key tiles are skipped
+  const int kv_begin = sliding_window > 0 ? max(0, prefix + m0 - sliding_window + 1) : 0;
+  const int first_tile = kv_begin / BLOCK_N;
   const int num_tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
   const int kv_head = head / (num_heads / num_kv_heads);
   const int* table = block_tables + (long long)seq * block_table_stride;
@@ -92,7 +98,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
     cp_async_16(s_q + swizzled<HEAD_DIM>(r, c), src, valid);
   }
   cp_async_commit();
-  load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_k, k_cache, table, 0, kv_end, row_stride, head_offset);
+  load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_k, k_cache, table, first_tile * BLOCK_N, kv_begin, kv_end,
+                                                           row_stride, head_offset);
   cp_async_commit();
 
   // ldmatrix lane roles: matrix index mi and row within it. For head_dim <= 128 each warp keeps its 16 Q rows as
@@ -111,14 +118,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
   for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
   float m_run0 = neg_inf(), m_run1 = neg_inf(), l_run0 = 0.f, l_run1 = 0.f;
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
+  const int warp_first_pos = prefix + m0 + warp_row0;  // positions of the warp's rows: warp_first_pos + 0..15
+  for (int tile = first_tile; tile < num_tiles; ++tile) {
     const int n0 = tile * BLOCK_N;
     cp_async_wait<0>();
     __syncthreads();  // K tile (and Q) visible; every warp is done with the previous V tile
-    load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_v, v_cache, table, n0, kv_end, row_stride, head_offset);
+    load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_v, v_cache, table, n0, kv_begin, kv_end, row_stride,
+                                                             head_offset);
     cp_async_commit();
-    // A warp whose rows are all padding, or all before this tile's first key, has nothing to add.
-    const bool active = warp_row0 < rows_here && n0 <= prefix + m0 + warp_row0 + 15;
+    // A warp whose rows are all padding, all before this tile's first key, or (under a window) all past its last
+    // key's window, has nothing to add.
+    const bool active = warp_row0 < rows_here && n0 <= warp_first_pos + 15 &&
+                        (sliding_window <= 0 || n0 + BLOCK_N - 1 > warp_first_pos - sliding_window);
 
     float s[kNTiles][4];
     if (active) {
@@ -141,8 +152,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
           mma_16816<T>(s[n + 1], a_reg, b[2], b[3]);
         }
       }
-      // Scale into the log2 domain and apply the causal mask where the tile crosses the diagonal.
-      const bool need_mask = n0 + BLOCK_N - 1 > prefix + m0 + warp_row0;
+      // Scale into the log2 domain and apply the causal mask where the tile crosses the diagonal, and the window's
+      // where its first key is before the window of the warp's last row.
+      const bool need_mask = n0 + BLOCK_N - 1 > warp_first_pos ||
+                             (sliding_window > 0 && n0 <= warp_first_pos + 15 - sliding_window);
       float tmax0 = neg_inf(), tmax1 = neg_inf();
 #pragma unroll
       for (int n = 0; n < kNTiles; ++n) {
@@ -150,7 +163,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + n * 8 + 2 * t + (e & 1);
           float v = s[n][e] * scale_log2;
-          if (need_mask && key > (e < 2 ? pos0 : pos1)) v = neg_inf();
+          const int pos = e < 2 ? pos0 : pos1;
+          if (need_mask && (key > pos || (sliding_window > 0 && key <= pos - sliding_window))) v = neg_inf();
           s[n][e] = v;
         }
         tmax0 = fmaxf(tmax0, fmaxf(s[n][0], s[n][1]));
@@ -188,8 +202,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
     cp_async_wait<0>();
     __syncthreads();  // V tile visible; every warp is done reading this K tile
     if (tile + 1 < num_tiles) {
-      load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_k, k_cache, table, n0 + BLOCK_N, kv_end, row_stride,
-                                                               head_offset);
+      load_kv_tile<T, HEAD_DIM, BLOCK_SIZE, BLOCK_N, kThreads>(s_k, k_cache, table, n0 + BLOCK_N, kv_begin, kv_end,
+                                                               row_stride, head_offset);
       cp_async_commit();
     }
     if (active) {

@@ -1,7 +1,7 @@
 // Paged prefill attention in fp32 on CUDA cores: the contract of paged_prefill_kernel (prefill_attention.cu),
 // which needs fp16/bf16 for its tensor-core path. Same grid: (ceil(max_query_len / 16), num_heads,
 // num_prefill_seqs), m-tiles visited last-first; query row r of a sequence sits at position
-// context_len - query_len + r and sees keys 0..that position.
+// p = context_len - query_len + r and sees keys 0..p, or under a sliding window W > 0 keys p - W + 1 .. p.
 #include "common.cuh"
 
 // fp32 prefill: the same contract as paged_prefill_kernel, on CUDA cores. Each warp owns 4 query rows of a
@@ -14,7 +14,7 @@ __global__ void __launch_bounds__(128)
                               const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                               const int* __restrict__ query_start_loc, long long out_stride, long long q_stride,
                               int block_table_stride, int num_heads, int num_kv_heads, int seq_offset,
-                              float scale_log2) {
+                              float scale_log2, int sliding_window) {
   using namespace pagedserve;
   constexpr int kRows = 4, kBlockM = 16, kBlockN = 32, kPad = HEAD_DIM + 1, kPerLane = HEAD_DIM / 32;
   extern __shared__ float4 smem_f4[];
@@ -30,6 +30,7 @@ __global__ void __launch_bounds__(128)
   const int prefix = context_lens[seq] - q_len;
   const int rows_here = min(kBlockM, q_len - m0);
   const int kv_end = prefix + m0 + rows_here;
+  const int kv_begin = sliding_window > 0 ? max(0, prefix + m0 - sliding_window + 1) : 0;  // the first row's first key
   const int kv_head = head / (num_heads / num_kv_heads);
   const int* table = block_tables + (long long)seq * block_table_stride;
   const long long row_stride = (long long)num_kv_heads * HEAD_DIM;
@@ -49,12 +50,12 @@ __global__ void __launch_bounds__(128)
     for (int e = 0; e < kPerLane; ++e) o[r][e] = 0.f;
   }
 
-  for (int n0 = 0; n0 < kv_end; n0 += kBlockN) {
+  for (int n0 = kv_begin - kv_begin % kBlockN; n0 < kv_end; n0 += kBlockN) {
     __syncthreads();  // previous tile fully consumed (and s_q written, on the first pass)
     for (int i = threadIdx.x; i < kBlockN * (HEAD_DIM / 4); i += 128) {
       const int r = i / (HEAD_DIM / 4), c = (i % (HEAD_DIM / 4)) * 4, token = n0 + r;
       float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f), v4 = k4;
-      if (token < kv_end) {
+      if (token >= kv_begin && token < kv_end) {
         const int phys = __ldg(table + token / BLOCK_SIZE);
         const long long off = ((long long)phys * BLOCK_SIZE + token % BLOCK_SIZE) * row_stride +
                               (long long)kv_head * HEAD_DIM + c;
@@ -78,7 +79,8 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int pos = prefix + m0 + warp * kRows + r;
-      const float v = n0 + lane <= pos ? sc[r] : neg_inf();
+      const int key = n0 + lane;
+      const float v = key <= pos && (sliding_window <= 0 || key > pos - sliding_window) ? sc[r] : neg_inf();
       const float m_new = fmaxf(m_run[r], warp_max_range<1, 32>(v));
       const float base = m_new == neg_inf() ? 0.f : m_new;
       const float alpha = exp2f(m_run[r] - base);

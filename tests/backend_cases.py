@@ -18,9 +18,10 @@ SMOLLM_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 
 
-def check_mixed_step(device, dtype, backend):
+def check_mixed_step(device, dtype, backend, windows=(None,)):
     """Decodes first, then prefill chunks; ``backend`` and the torch backend write the same cache rows and return
-    the same output, and a second call (reusing the backend's cached plan) returns it again."""
+    the same output, and a second call (reusing the backend's cached plan) returns it again. ``windows``: the
+    layers of the step in turn, each a sliding window or None (the same metadata, as a step's layers share it)."""
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
     ctx = [40, 1, 700, 17, 300, 2000]
     q_lens = [1, 1, 1, 17, 45, 512]
@@ -29,13 +30,15 @@ def check_mixed_step(device, dtype, backend):
     meta = make_meta(ctx, q_lens, bs, num_blocks, device, seed=11)
     q, k, v = random_qkv(sum(q_lens), heads, kv_heads, head_dim, dtype, device, seed=12)
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
-    ref = TorchAttentionBackend().forward(q, k, v, kc_ref, vc_ref, meta, head_dim ** -0.5)
-    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+    reference = TorchAttentionBackend()
     atol, rtol = ATTN_TOL[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
-    again = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
-    assert torch.equal(again, out)
+    for window in windows:
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5, window)
+        ref = reference.forward(q, k, v, kc_ref, vc_ref, meta, head_dim ** -0.5, window)
+        assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+        again = backend.forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5, window)
+        assert torch.equal(again, out)
 
 
 def word_tokenizer(vocab_size: int):

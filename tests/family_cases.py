@@ -31,6 +31,14 @@ FAMILIES = {
                                       logits_scaling=4.0), "GraniteForCausalLM"),
     "olmo2": ("Olmo2Config", {}, "Olmo2ForCausalLM"),
     "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0, 1]), "SmolLM3ForCausalLM"),
+    # sliding windows far shorter than the tests' prompts (200 and 260 tokens, prefilled in 64-token chunks)
+    "mistral-window": ("MistralConfig", dict(sliding_window=24), "MistralForCausalLM"),
+    "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=40, max_window_layers=1),
+                     "Qwen2ForCausalLM"),
+    "qwen3-window": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=17, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"]), "Qwen3ForCausalLM"),
+    "phi3-window": ("Phi3Config", dict(partial_rotary_factor=0.75, sliding_window=33, head_dim=None),
+                    "Phi3ForCausalLM"),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
                 "MixtralForCausalLM"),
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

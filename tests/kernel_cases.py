@@ -39,9 +39,11 @@ def assert_attention_close(out, ref, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
-def check_decode(device, dtype, head_dim, block_size, cases, max_seqs_256: int | None = None):
+def check_decode(device, dtype, head_dim, block_size, cases, max_seqs_256: int | None = None, window=None):
     """``cases``: (context lengths, num_heads, num_kv_heads). Query rows are strided views of a fused QKV
-    projection, the output starts as NaN, block tables scatter each sequence over random physical blocks."""
+    projection, the output starts as NaN, block tables scatter each sequence over random physical blocks. With a
+    ``window``, the block-table entries before each context's window read (outside the blocks it may touch) point
+    far outside the cache, so a kernel that read one would fault (on the emulator: stop)."""
     for i, (ctx, heads, kv_heads) in enumerate(cases):
         if head_dim == 256 and max_seqs_256 is not None:
             ctx = ctx[:max_seqs_256]  # bounds the reference's dense gather
@@ -51,33 +53,41 @@ def check_decode(device, dtype, head_dim, block_size, cases, max_seqs_256: int |
         query, _, _ = random_qkv(len(ctx), heads, kv_heads, head_dim, dtype, device, seed=100 + i)
         scale = head_dim ** -0.5
         out = torch.full_like(query, float("nan"))
-        kernels.paged_decode_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                       context_lens_cpu=ctx)
-        assert_attention_close(out, torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale), dtype)
+        tables = meta.block_tables
+        if window:
+            tables = tables.clone()
+            for s, c in enumerate(ctx):
+                tables[s, :(c - geo.window_read_len(c, window, block_size)) // block_size] = 1 << 30
+        kernels.paged_decode_attention(out, query, k_cache, v_cache, tables, meta.context_lens, scale,
+                                       context_lens_cpu=ctx, sliding_window=window)
+        ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, sliding_window=window)
+        assert_attention_close(out, ref, dtype)
 
 
-def check_decode_partitions(device, dtype, ctx, heads, kv_heads, head_dim, block_size, sizes, num_sms=132):
+def check_decode_partitions(device, dtype, ctx, heads, kv_heads, head_dim, block_size, sizes, num_sms=132,
+                            window=None):
     """The same batch through each forced split-K partition size in ``sizes`` (None: the automatic plan) equals
-    the reference; returns the automatic plan."""
+    the reference (under ``window``: the window's tokens split); returns the automatic plan."""
     num_blocks = blocks_needed(ctx, block_size) + 1
     k_cache, v_cache = make_caches(num_blocks, block_size, kv_heads, head_dim, dtype, device, seed=7)
     meta = make_meta(ctx, [1] * len(ctx), block_size, num_blocks, device, seed=7)
     query = torch.randn(len(ctx), heads, head_dim, device=device).to(dtype)
-    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, 0.1)
+    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, 0.1, sliding_window=window)
     name = geo.dtype_name(dtype)
-    auto = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, num_sms=num_sms)
+    auto = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, num_sms=num_sms,
+                           sliding_window=window or 0)
     for size in sizes:
         plan = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, num_sms=num_sms,
-                               partition_size=size or auto.partition_size)
+                               partition_size=size or auto.partition_size, sliding_window=window or 0)
         out = torch.empty_like(query)
         kernels.paged_decode_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.1,
-                                       plan=plan)
+                                       plan=plan, sliding_window=window)
         assert_attention_close(out, ref, dtype)
     return auto
 
 
 def check_decode_fixed(device, dtype, head_dim, block_size, ctx, heads, kv_heads, capacity, num_padded,
-                       num_sms=132):
+                       num_sms=132, window=None):
     """The CUDA-graph decode launch: the fixed grid of plan_decode_fixed (from the batch size and ``capacity``
     tokens only) over sequences of context ``ctx`` followed by ``num_padded`` padded rows (context 0), with a
     static block table ``capacity / block_size`` wide whose unused entries (past each context, and every padded
@@ -95,18 +105,21 @@ def check_decode_fixed(device, dtype, head_dim, block_size, ctx, heads, kv_heads
     context_lens = torch.tensor(list(ctx) + [0] * num_padded, dtype=torch.int32, device=device)
     query = torch.randn(total, heads, head_dim, device=device).to(dtype)
     plan = geo.plan_decode_fixed(geo.dtype_name(dtype), total, capacity, heads, kv_heads, head_dim, block_size,
-                                 num_sms=num_sms)
+                                 num_sms=num_sms, sliding_window=window or 0)
     out = torch.full_like(query, float("nan"))
     scale = head_dim ** -0.5
-    kernels.paged_decode_attention(out, query, k_cache, v_cache, tables, context_lens, scale, plan=plan)
-    assert_attention_close(out[:n], torch_ref.paged_attention_ref(query[:n], k_cache, v_cache, meta, scale), dtype)
+    kernels.paged_decode_attention(out, query, k_cache, v_cache, tables, context_lens, scale, plan=plan,
+                                   sliding_window=window)
+    ref = torch_ref.paged_attention_ref(query[:n], k_cache, v_cache, meta, scale, sliding_window=window)
+    assert_attention_close(out[:n], ref, dtype)
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows (context 0) must be zeros"
     return plan
 
 
-def check_prefill(device, dtype, head_dim, block_size, prefix, new, decode_ctx=(3000, 1), heads_kv=None):
+def check_prefill(device, dtype, head_dim, block_size, prefix, new, decode_ctx=(3000, 1), heads_kv=None,
+                  window=None):
     """Decodes first (``decode_ctx``), then prefill chunks of ``new`` tokens after cached prefixes of ``prefix``
-    tokens; the decode rows of ``out`` must stay untouched."""
+    tokens, under a sliding ``window`` or none; the decode rows of ``out`` must stay untouched."""
     ctx = list(decode_ctx) + [p + n for p, n in zip(prefix, new)]
     q_lens = [1] * len(decode_ctx) + list(new)
     heads, kv_heads = heads_kv or ((8, 2) if head_dim == 256 else (12, 4))
@@ -119,8 +132,8 @@ def check_prefill(device, dtype, head_dim, block_size, prefix, new, decode_ctx=(
     nd = meta.num_decode_seqs
     kernels.paged_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                     meta.query_start_loc, scale, seq_offset=nd, num_prefill_seqs=len(ctx) - nd,
-                                    max_query_len=meta.max_query_len)
-    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale)
+                                    max_query_len=meta.max_query_len, sliding_window=window)
+    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, sliding_window=window)
     assert torch.isnan(out[:nd]).all(), "decode rows are not the prefill kernel's to write"
     assert_attention_close(out[nd:], ref[nd:], dtype)
 

@@ -21,8 +21,10 @@ CASES = [  # (context lens, query lens, heads, kv heads, head_dim, block size)
 ]
 
 
+@pytest.mark.parametrize("window", [None, 1, 6, 40])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference_backend(case):
+def test_matches_reference_backend(case, window):
+    """Mixed steps, full attention and sliding windows (one key, inside a block, across blocks)."""
     ctx, qlens, h, hkv, d, bs = CASES[case]
     num_blocks = sum(-(-c // bs) for c in ctx) + 3
     meta = make_meta(ctx, qlens, bs, num_blocks, "cpu", seed=case)
@@ -30,8 +32,8 @@ def test_matches_reference_backend(case):
     caches = [torch.randn(num_blocks, bs, hkv, d, generator=gen) for _ in range(2)]
     q, k, v = random_qkv(sum(qlens), h, hkv, d, torch.float32, "cpu", seed=case)
     ref_caches = [c.clone() for c in caches]
-    ref = TorchAttentionBackend().forward(q, k, v, *ref_caches, meta, d ** -0.5)
-    got = CpuAttentionBackend().forward(q, k, v, *caches, meta, d ** -0.5)
+    ref = TorchAttentionBackend().forward(q, k, v, *ref_caches, meta, d ** -0.5, window)
+    got = CpuAttentionBackend().forward(q, k, v, *caches, meta, d ** -0.5, window)
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])  # the same KV writes
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-5
@@ -49,7 +51,7 @@ SPLIT_CASES = [  # (context lens, heads, kv heads, head_dim, block size, cache d
 def test_decode_kernel_context_splits_match_float64(case):
     """Few requests with long contexts: the kernel cuts each context into splits (flash-decoding) and merges them.
     Every split count (the kernel's choice, none, a cap of 3, 7) agrees with a float64 softmax over the gathered
-    context within float32 rounding."""
+    context within float32 rounding, with no window and with sliding windows (the splits cut the window's rows)."""
     ctx, h, hkv, d, bs, dtype = SPLIT_CASES[case]
     gen = torch.Generator().manual_seed(40 + case)
     max_blocks = max(-(-c // bs) for c in ctx)
@@ -59,17 +61,21 @@ def test_decode_kernel_context_splits_match_float64(case):
     k_cache, v_cache = (torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
     q = torch.randn(len(ctx), h, d, generator=gen) * 2
     lens = torch.tensor(ctx, dtype=torch.int32)
-    want = torch.empty(len(ctx), h, d, dtype=torch.float64)
-    for s, n in enumerate(ctx):
-        rows = tables[s].long()
-        k = k_cache[rows].reshape(-1, hkv, d)[:n].double().repeat_interleave(h // hkv, dim=1)   # [n, h, d]
-        v = v_cache[rows].reshape(-1, hkv, d)[:n].double().repeat_interleave(h // hkv, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].double(), k) * d ** -0.5, dim=-1)
-        want[s] = torch.einsum("hn,nhd->hd", p, v)
     op = torch.ops.pagedserve_cpu.paged_decode_attention
-    for max_splits in (0, 1, 3, 7):
-        got = op(q, k_cache, v_cache, tables, lens, d ** -0.5, max_splits)
-        assert (got.double() - want).abs().max().item() < 2e-5, max_splits
+    for window in (0, 1, 100, 333):   # 0: no window; else the last `window` rows of each context
+        want = torch.empty(len(ctx), h, d, dtype=torch.float64)
+        for s, n in enumerate(ctx):
+            rows = tables[s].long()
+            first = max(0, n - window) if window else 0
+            k = k_cache[rows].reshape(-1, hkv, d)[first:n].double().repeat_interleave(h // hkv, dim=1)   # [n, h, d]
+            v = v_cache[rows].reshape(-1, hkv, d)[first:n].double().repeat_interleave(h // hkv, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].double(), k) * d ** -0.5, dim=-1)
+            want[s] = torch.einsum("hn,nhd->hd", p, v)
+        for max_splits in (0, 1, 3, 7):
+            got = op(q, k_cache, v_cache, tables, lens, d ** -0.5, max_splits, window)
+            assert (got.double() - want).abs().max().item() < 2e-5, (max_splits, window)
+    with pytest.raises(RuntimeError, match="sliding_window must be >= 0"):
+        op(q, k_cache, v_cache, tables, lens, 1.0, 0, -1)
     with pytest.raises(RuntimeError, match="max_splits must be >= 0"):
         op(q, k_cache, v_cache, tables, lens, 1.0, -1)
 
@@ -138,8 +144,8 @@ def test_half_precision_cache_write_rounds_like_torch(dtype):
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_half_precision_cache_matches_reference_backend(case, dtype):
     """The decode kernel widens a float16 / bfloat16 cache exactly: on the same cache contents it matches the
-    reference backend (which reads the cache with ``.to(float32)``) within float32 rounding, and both write the
-    step's rows identically."""
+    reference backend (which reads the cache with ``.to(float32)``) within float32 rounding (under a 6-key
+    sliding window), and both write the step's rows identically."""
     ctx, qlens, h, hkv, d, bs = CASES[case]
     num_blocks = sum(-(-c // bs) for c in ctx) + 3
     meta = make_meta(ctx, qlens, bs, num_blocks, "cpu", seed=case)
@@ -147,8 +153,8 @@ def test_half_precision_cache_matches_reference_backend(case, dtype):
     caches = [torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2)]
     q, k, v = random_qkv(sum(qlens), h, hkv, d, torch.float32, "cpu", seed=case)
     ref_caches = [c.clone() for c in caches]
-    ref = TorchAttentionBackend().forward(q, k, v, *ref_caches, meta, d ** -0.5)
-    got = CpuAttentionBackend().forward(q, k, v, *caches, meta, d ** -0.5)
+    ref = TorchAttentionBackend().forward(q, k, v, *ref_caches, meta, d ** -0.5, 6)
+    got = CpuAttentionBackend().forward(q, k, v, *caches, meta, d ** -0.5, 6)
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
     assert got.dtype == torch.float32 and (got - ref).abs().max().item() < 1e-5
 

@@ -25,6 +25,12 @@ def test_mixed_step_matches_torch_backend(sim, dtype):
     bc.check_mixed_step(torch.device("cpu"), dtype, CudaAttentionBackend())
 
 
+def test_layers_of_two_windows_share_a_step(sim):
+    """Full-attention and sliding-window layers alternate in one step (Qwen2 / Gemma style): each gets the plan of
+    its window (the backend keeps one per window and step), and each equals the torch backend."""
+    bc.check_mixed_step(torch.device("cpu"), torch.float16, CudaAttentionBackend(), (None, 48, None, 7, 48))
+
+
 def test_greedy_generation_matches_torch_backend(sim):
     """2 layers of SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64), a 64-token prefill budget."""
     shape = dict(bc.SMOLLM_SHAPE, num_hidden_layers=2, vocab_size=2048, intermediate_size=384, hidden_size=576)

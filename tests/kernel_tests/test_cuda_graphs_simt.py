@@ -50,6 +50,17 @@ def test_fixed_grid_decode_with_empty_partitions(sim, dtype):
 
 
 @needs_sim
+@pytest.mark.parametrize("window", [20, 200])
+def test_fixed_grid_decode_sliding_window(sim, window):
+    """The graph's fixed grid under a sliding window: planned for the window's reach (not the capacity), real rows
+    equal the windowed reference, padded rows are zeros."""
+    plan = kc.check_decode_fixed(CPU, torch.float16, 128, 16, **SPLIT, window=window)
+    assert plan.sliding_window == window
+    assert plan.num_partitions * plan.partition_size >= window + 15
+    assert plan.num_partitions < geo.plan_decode_fixed("float16", 8, 2048, 8, 2, 128, 16, num_sms=132).num_partitions
+
+
+@needs_sim
 def test_fixed_grid_decode_single_partition(sim):
     plan = kc.check_decode_fixed(CPU, torch.bfloat16, 64, 32, **SINGLE)
     assert plan.num_partitions == 1
@@ -82,7 +93,7 @@ def test_fixed_grid_kernels_compile_with_nvrtc(arch):
 @needs_sim
 @pytest.mark.parametrize("old,new,case", [
     # the merge drops a context's last, partly filled partition
-    ("min(num_parts, (ctx + partition_size - 1) / partition_size)", "min(num_parts, ctx / partition_size)", SPLIT),
+    ("min(num_parts, (read + partition_size - 1) / partition_size)", "min(num_parts, read / partition_size)", SPLIT),
     ("if (ctx <= 0 && num_parts == 1)", "if (false)", SINGLE),  # padded rows left unwritten
 ], ids=["merge-floor", "padded-not-zeroed"])
 def test_planted_fixed_grid_bug_is_caught(old, new, case):

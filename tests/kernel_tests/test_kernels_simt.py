@@ -74,6 +74,37 @@ def test_decode_split_k_partitions_agree(sim, dtype):
     assert any(name.startswith("paged_decode_merge_kernel") for name in launched)
 
 
+# Sliding windows: one key, inside a block, a block multiple, mid-context, wider than every context.
+WINDOWS = [1, 5, 32, 100, 20000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype,head_dim,block_size", [(d, 128, 16) for d in kc.DTYPES] + [(torch.float16, 64, 32)],
+                         ids=str)
+def test_decode_sliding_window_matches_reference(sim, dtype, head_dim, block_size, window):
+    """Decodes under a sliding window: each context's last ``window`` tokens only, and only the blocks of the
+    window's read (the table entries before it point outside the cache: a read there stops the emulator)."""
+    kc.check_decode(CPU, dtype, head_dim, block_size, DECODE_CASES[:3] + DECODE_CASES[4:], window=window)
+
+
+@pytest.mark.parametrize("window", [33, 700])
+def test_decode_sliding_window_split_k(sim, window):
+    """Forced partitions over a window's tokens (the first partition starts inside a block) and the automatic
+    plan, merged by log-sum-exp, equal the reference."""
+    kc.check_decode_partitions(CPU, torch.bfloat16, [1, 31, 32, 33, 1500, 600], 8, 2, 128, 16, (16, 32, None, 1504),
+                               window=window)
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 100])
+@pytest.mark.parametrize("dtype,head_dim,block_size", [(d, 128, 16) for d in kc.DTYPES] + [(torch.bfloat16, 64, 32)],
+                         ids=str)
+def test_prefill_sliding_window_matches_reference(sim, dtype, head_dim, block_size, window):
+    """Prefill chunks under a sliding window: after cached prefixes longer than the window (whole key tiles
+    skipped), chunks longer than the window (rows whose window starts mid-tile), a one-token chunk."""
+    kc.check_prefill(CPU, dtype, head_dim, block_size, prefix=[2 * block_size, 33, 300, 0, 5],
+                     new=[70, 5, 130, 150, 1], decode_ctx=(300, 1), heads_kv=(4, 2), window=window)
+
+
 @pytest.mark.parametrize("dtype,head_dim,block_size", PREFILL_CONFIGS, ids=str)
 def test_prefill_matches_reference(sim, dtype, head_dim, block_size):
     """Prefill chunks after cached prefixes (block-aligned, unaligned, none), a chunk longer than one 64-row tile,
@@ -142,7 +173,7 @@ planted = kc.planted
 
 @pytest.mark.parametrize("old,new", [
     ("cp_async_wait<kS - 1>();", "cp_async_wait<kS>();"),  # decode reads a chunk before its copy lands
-    ("exp2f(st.m[g] - m_new)", "1.f"),                     # decode forgets to rescale the running sum
+    ("exp2f(st.m[g] - base)", "1.f"),                        # decode forgets to rescale the running sum
 ], ids=["decode-early-read", "decode-no-rescale"])
 def test_planted_decode_bug_is_caught(old, new):
     with Simulator(transform=planted(old, new)).install():
@@ -152,12 +183,36 @@ def test_planted_decode_bug_is_caught(old, new):
 
 @pytest.mark.parametrize("old,new", [
     ("ldmatrix_x4_trans(b, s_v", "ldmatrix_x4(b, s_v"),  # V fragments not transposed
-    ("if (need_mask && key > (e < 2 ? pos0 : pos1))", "if (need_mask && key > pos0)"),  # wrong causal row
+    ("const int pos = e < 2 ? pos0 : pos1;", "const int pos = pos0;"),  # wrong causal row
 ], ids=["prefill-v-layout", "prefill-mask"])
 def test_planted_prefill_bug_is_caught(old, new):
     with Simulator(transform=planted(old, new)).install():
         with pytest.raises(AssertionError):
             kc.check_prefill(CPU, torch.bfloat16, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1))
+
+
+@pytest.mark.parametrize("old,new,check", [
+    # decode: the window one key too wide
+    ("const int begin = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;",
+     "const int begin = sliding_window > 0 ? max(0, ctx - sliding_window - 1) : 0;", "decode"),
+    # decode merge: partitions counted from the context's start, not the window's read
+    ("const int read = ctx - window_read_start(ctx, sliding_window, block_size);", "const int read = 1;", "split"),
+    # prefill (tensor cores): the window one key too wide
+    ("key <= pos - sliding_window))", "key < pos - sliding_window))", "prefill"),
+    # prefill (fp32): the window one key too narrow
+    ("key > pos - sliding_window)", "key > pos - sliding_window + 1)", "prefill32"),
+], ids=["decode-window", "merge-window", "prefill-window", "prefill32-window"])
+def test_planted_sliding_window_bug_is_caught(old, new, check):
+    with Simulator(transform=planted(old, new)).install():
+        with pytest.raises(AssertionError):
+            if check == "decode":
+                kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3], window=100)
+            elif check == "split":
+                kc.check_decode_partitions(CPU, torch.float16, [1500, 600], 8, 2, 128, 16, (32,), window=700)
+            else:
+                dtype = torch.bfloat16 if check == "prefill" else torch.float32
+                kc.check_prefill(CPU, dtype, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1),
+                                 window=7)
 
 
 def test_planted_out_of_bounds_read_is_caught():
@@ -183,7 +238,7 @@ def test_decode_traps_on_too_little_shared_memory():
     ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
     args = (ptr(q), np.uint64(0), np.uint64(0), np.uint64(0), ptr(q), ptr(cache), ptr(cache), ptr(table), ptr(lens),
             np.int64(512), np.int64(512), np.int32(3), np.int32(4), np.int32(4), np.int32(plan.partition_size),
-            np.float32(1.0))
+            np.float32(1.0), np.int32(0))
     name = geo.decode_kernel_name(dtype, 128, 16, plan.gqa_tile)
     key = ModuleKey("decode", dtype, 128, 16, "simt")
     sim.launch(key, name, CPU, plan.grid, plan.block, args, plan.smem_bytes)  # the right size runs

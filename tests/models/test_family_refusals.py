@@ -1,6 +1,7 @@
 """A config the engine cannot run exactly is refused when the model is built, naming the config field; one that is
-exact only up to a length (a sliding window, a rope type that changes with the length) caps the served context
-there, and a longer ``--max-model-len`` is refused naming the field. One test per refusal kind."""
+exact only up to a length (a rope type that changes with the length) caps the served context there, and a longer
+``--max-model-len`` is refused naming the field; sliding windows reach their layers and cap nothing. One test per
+refusal kind."""
 from __future__ import annotations
 
 import pytest
@@ -89,10 +90,6 @@ def _engine(model, cfg, **kwargs):
 
 
 @pytest.mark.parametrize("label,extra,field,limit", [
-    ("mistral", dict(sliding_window=64), "sliding_window=64", 64),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=96, max_window_layers=1), "sliding_window=96", 96),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=80, max_window_layers=2), "sliding_window=80", 80),
-    ("phi3", dict(sliding_window=48), "sliding_window=48", 48),
     ("phi3-longrope", {}, "rope_parameters.rope_type='longrope'", 128),
 ])
 def test_exact_only_up_to_a_length_caps_the_context(tmp_path, label, extra, field, limit):
@@ -118,8 +115,45 @@ def test_exact_only_up_to_a_length_caps_the_context(tmp_path, label, extra, fiel
     assert info.max_model_len == limit
 
 
-def test_windows_that_cannot_bind_are_not_capped():
-    """A window switched off (use_sliding_window false, or no sliding_window) caps nothing."""
-    assert _build(hf_config("qwen2", use_sliding_window=False, sliding_window=32)).max_exact_len is None
-    assert _build(hf_config("mistral", sliding_window=None)).max_exact_len is None
-    assert _build(hf_config("llama")).max_exact_len is None
+@pytest.mark.parametrize("label,extra,windows", [
+    ("mistral", dict(sliding_window=64), (64, 64, 64)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=96, max_window_layers=1), (None, 96, 96)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=80, max_window_layers=2), (None, None, 80)),
+    ("phi3", dict(sliding_window=48), (48, 48, 48)),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=32,
+                     layer_types=["full_attention", "sliding_attention", "full_attention"]), (None, 32, None)),
+])
+def test_sliding_windows_reach_each_layer_and_cap_nothing(label, extra, windows):
+    """Each layer gets its window (transformers' ``layer_types``, or every layer), and the served context is the
+    model's whole ``max_position_embeddings``: the attention backends run the window (tests/models/test_families.py
+    checks the output past the window against transformers)."""
+    model = _build(hf_config(label, **extra))
+    assert tuple(layer.self_attn.sliding_window for layer in model.layers) == windows
+    assert model.max_exact_len is None and not model.plain_llama
+
+
+@pytest.mark.parametrize("extra,field", [
+    (dict(sliding_window=0), "sliding_window=0"),
+    (dict(sliding_window=-4), "sliding_window=-4"),
+    (dict(sliding_window=16, layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+     "layer_types="),
+    (dict(sliding_window=16, layer_types=["sliding_attention"]), "layer_types="),
+])
+def test_bad_windows_are_refused_naming_the_field(extra, field):
+    from pagedserve.models.config_checks import UnsupportedConfig
+
+    cfg = hf_config("mistral")
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    with pytest.raises(UnsupportedConfig, match=field):
+        _build(cfg)
+
+
+def test_windows_switched_off_give_full_attention():
+    """A window switched off (use_sliding_window false, or no sliding_window) leaves every layer full attention, as
+    does a ``sliding_window`` field in a family whose HF class ignores it (Llama, Granite, OLMo 2)."""
+    for cfg in (hf_config("qwen2", use_sliding_window=False, sliding_window=32), hf_config("mistral", sliding_window=None),
+                hf_config("llama"), hf_config("llama", sliding_window=8), hf_config("granite", sliding_window=8),
+                hf_config("olmo2", sliding_window=8)):
+        model = _build(cfg)
+        assert model.max_exact_len is None and all(layer.self_attn.sliding_window is None for layer in model.layers)

@@ -84,6 +84,7 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write ``key``/``value`` into the cache at ``meta.slot_mapping``, then attend.
 
@@ -93,13 +94,16 @@ class AttentionBackend(abc.ABC):
             k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
             meta: the step's :class:`AttentionMetadata`.
             scale: softmax scale, usually ``head_dim ** -0.5``.
+            sliding_window: None (every key of the context), or ``W >= 1``: the query at absolute position ``p``
+                sees the keys at positions ``p - W + 1 .. p`` only (Mistral's sliding-window attention, Jiang et al.
+                2023; transformers' ``sliding_window`` semantics). The cache still holds the whole context.
 
         Returns:
             ``[T, num_heads, head_dim]``, same dtype as query. GQA: query head ``h`` reads KV head
             ``h // (num_heads // num_kv_heads)``.
 
         Raises:
-            ValueError: on a dtype, shape or device mismatch.
+            ValueError: on a dtype, shape or device mismatch, or a ``sliding_window`` below 1.
         """
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -116,3 +120,4 @@ class AttentionBackend(abc.ABC):
         for k_cache, v_cache in kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+

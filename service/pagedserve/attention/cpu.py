@@ -15,8 +15,9 @@ import torch
 
 from ..kernels.cpu_build import cpu_kernel_ops
 from ..kernels.cpu_elementwise import CPU_OPS
+from ..kernels.checks import check_sliding_window
 from .base import AttentionMetadata
-from .torch_ref import StepPlan, TorchAttentionBackend, paged_attention_ref
+from .torch_ref import TorchAttentionBackend, paged_attention_ref
 
 
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # what the C++ kernels read and write (F16C)
@@ -44,26 +45,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self.prefill_dtype = prefill_dtype
 
-    def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None):
         nd = meta.num_decode_seqs
         if nd == 0 or query.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or query.shape[-1] % 8 or \
                 query.device.type != "cpu":
-            return super().forward(query, key, value, k_cache, v_cache, meta, scale)
+            return super().forward(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+        window = check_sliding_window(sliding_window)
         self._check_kv(query, key, value, k_cache)
         torch.ops.pagedserve_cpu.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         decode = torch.ops.pagedserve_cpu.paged_decode_attention(
             query[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd].contiguous(), meta.context_lens[:nd],
-            float(scale))
+            float(scale), 0, window)
         if nd == meta.num_seqs:
             if query.shape[0] == nd:
                 return decode
             out = query.new_zeros(query.shape)   # a compiled step's padded rows (slot -1, past the real tokens)
             out[:nd] = decode
             return out
-        plan = self._step_plan(meta, k_cache.shape[1])
-        prefill_only = StepPlan([], plan.prefill_masks, plan.query_starts)
-        out = paged_attention_ref(query, k_cache, v_cache, meta, scale, prefill_only, key, value, self._workspace,
-                                  self.prefill_dtype)
+        out = paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]), key,
+                                  value, self._workspace, self.prefill_dtype, sliding_window, decodes=False)
         out[:nd] = decode
         return out
 

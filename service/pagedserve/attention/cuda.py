@@ -3,8 +3,8 @@
 Same semantics as :class:`pagedserve.attention.torch_ref.TorchAttentionBackend` (the oracle): reshape_and_cache
 writes the step's new K/V rows, then the first ``num_decode_seqs`` sequences (one new token each) run the paged
 decode kernel (GQA-tiled, split-K) and the rest run the paged prefill kernel (causal over the cached prefix and
-the new tokens). The decode launch plan depends only on the step's metadata, so it is computed once per step and
-reused by every layer. Under CUDA graph capture (``meta.fixed_context_capacity`` set) the decode plan is the
+the new tokens); a layer's sliding window goes to both kernels. The decode launch plan depends only on the step's
+metadata and the window, so it is computed once per step and window and reused by every layer of that window. Under CUDA graph capture (``meta.fixed_context_capacity`` set) the decode plan is the
 fixed grid of :func:`pagedserve.kernels.geometry.plan_decode_fixed`, which depends only on the batch size and the
 capacity, so a replay with other context lengths launches the same geometry.
 """
@@ -14,6 +14,7 @@ import torch
 
 from .. import kernels
 from ..kernels import geometry as geo
+from ..kernels.checks import check_sliding_window
 from .base import AttentionBackend, AttentionMetadata
 
 
@@ -26,25 +27,27 @@ class CudaAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._plan_meta: AttentionMetadata | None = None
-        self._plan_shape: tuple | None = None
-        self._plan: geo.DecodePlan | None = None
+        self._plans: dict[tuple, geo.DecodePlan] = {}
 
     def _decode_plan(self, meta: AttentionMetadata, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                     head_dim: int, block_size: int, device: torch.device) -> geo.DecodePlan:
-        shape = (dtype, num_heads, num_kv_heads, head_dim, block_size, device.index)
-        if self._plan is None or meta is not self._plan_meta or shape != self._plan_shape:
+                     head_dim: int, block_size: int, device: torch.device, window: int) -> geo.DecodePlan:
+        """The step's decode plan for this layer shape and sliding window (0: none), made once per step."""
+        if meta is not self._plan_meta:
+            self._plans, self._plan_meta = {}, meta
+        shape = (dtype, num_heads, num_kv_heads, head_dim, block_size, device.index, window)
+        if shape not in self._plans:
             nd, name, sms = meta.num_decode_seqs, geo.dtype_name(dtype, "query"), kernels.num_sms(device.index)
             if meta.fixed_context_capacity is not None:  # CUDA graph capture: geometry from the capacity only
-                self._plan = geo.plan_decode_fixed(name, nd, meta.fixed_context_capacity, num_heads, num_kv_heads,
-                                                   head_dim, block_size, sms)
+                self._plans[shape] = geo.plan_decode_fixed(name, nd, meta.fixed_context_capacity, num_heads,
+                                                           num_kv_heads, head_dim, block_size, sms, window)
             else:
-                self._plan = geo.plan_decode(name, meta.context_lens_cpu[:nd], num_heads, num_kv_heads, head_dim,
-                                             block_size, sms)
-            self._plan_meta, self._plan_shape = meta, shape
-        return self._plan
+                self._plans[shape] = geo.plan_decode(name, meta.context_lens_cpu[:nd], num_heads, num_kv_heads,
+                                                     head_dim, block_size, sms, sliding_window=window)
+        return self._plans[shape]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. Returns a new contiguous ``[T, num_heads, head_dim]``.
 
         Raises:
@@ -58,19 +61,21 @@ class CudaAttentionBackend(AttentionBackend):
         nd, num_seqs = meta.num_decode_seqs, meta.num_seqs
         if not 0 <= nd <= num_seqs:
             raise ValueError(f"meta.num_decode_seqs: {nd} not in [0, {num_seqs}]")
+        window = check_sliding_window(sliding_window)
         kernels.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if nd > 0:
             _, block_size, num_kv_heads, head_dim = k_cache.shape
             plan = self._decode_plan(meta, query.dtype, query.shape[1], num_kv_heads, head_dim, block_size,
-                                     query.device)
+                                     query.device, window)
             kernels.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.block_tables,
-                                           meta.context_lens, scale, plan=plan)
+                                           meta.context_lens, scale, plan=plan, sliding_window=window or None)
         if nd < num_seqs:
             max_query_len = max(meta.query_lens_cpu[nd:])
             kernels.paged_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                             meta.query_start_loc, scale, seq_offset=nd,
-                                            num_prefill_seqs=num_seqs - nd, max_query_len=max_query_len)
+                                            num_prefill_seqs=num_seqs - nd, max_query_len=max_query_len,
+                                            sliding_window=window or None)
         return out
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -2,7 +2,7 @@
 
 Dynamo cannot trace the attention backends (host loops over sequences, per-step plans, CuPy kernels) and must not
 specialize on a step's metadata, so the compiled forward calls ``torch.ops.pagedserve.paged_attention(query, key,
-value, layer_idx, scale)`` instead: an opaque node whose only graph inputs are the layer's Q/K/V. The step's
+value, layer_idx, scale, sliding_window)`` instead: an opaque node whose only graph inputs are the layer's Q/K/V. The step's
 metadata, the KV caches and the backend are taken from the :func:`step_context` the model runner enters around the
 call (vLLM's "forward context" does the same for its unified attention op).
 
@@ -57,7 +57,7 @@ def current_step() -> StepContext:
 
 @torch.library.custom_op("pagedserve::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, sliding_window: int = 0) -> torch.Tensor:
     """Write ``key``/``value`` into layer ``layer_idx``'s paged cache and attend (see
     :meth:`~pagedserve.attention.base.AttentionBackend.forward`), with the current :func:`step_context`.
 
@@ -66,6 +66,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key, value: ``[T_pad, num_kv_heads, head_dim]``; padded rows carry slot ``-1`` and are not written.
         layer_idx: index into the context's ``kv_caches``.
         scale: softmax scale.
+        sliding_window: the layer's window in tokens, 0 for full attention.
 
     Returns:
         ``[T_pad, num_heads, head_dim]``, query's dtype; padded rows are zero.
@@ -75,12 +76,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     ctx = current_step()
     k_cache, v_cache = ctx.kv_caches[layer_idx]
-    out = ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale)
+    out = ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale, sliding_window or None)
     if ctx.num_tokens < out.shape[0]:
         out[ctx.num_tokens:].zero_()
     return out
 
 
 @paged_attention.register_fake
-def _paged_attention_fake(query, key, value, layer_idx, scale):
+def _paged_attention_fake(query, key, value, layer_idx, scale, sliding_window=0):
     return torch.empty_like(query)

@@ -3,15 +3,17 @@
 Semantics are those of :class:`pagedserve.attention.base.AttentionBackend`. Decodes (one new token each) run as
 batched SDPA over K/V gathered through the block tables, in groups of similar context length; prefill chunks run
 one sequence at a time with a causal mask offset by the cached prefix length (plain ``is_causal`` over the new rows
-when there is no cached prefix).
+when there is no cached prefix). A sliding window narrows both masks to the window's keys; a prefill chunk then
+reads only the keys from its first row's window start on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from ..kernels.checks import check_sliding_window
 from .base import AttentionBackend, AttentionMetadata
 
 
@@ -86,11 +88,50 @@ class _DecodeGroup:
 @dataclass(slots=True)
 class StepPlan:
     """What every layer of one step reuses: decode groups, and the causal mask of each prefill chunk (None when
-    the chunk is the whole context, which runs as ``is_causal``)."""
+    the chunk is the whole context, which runs as ``is_causal``); the masks of a sliding window are built on first
+    use (:meth:`window_masks`) and kept for the step's other layers of that window."""
 
     decode_groups: list[_DecodeGroup]
     prefill_masks: list[torch.Tensor | None]
     query_starts: list[int]
+    meta: AttentionMetadata | None = None
+    _windowed: dict = field(default_factory=dict)
+
+    def window_masks(self, window: int | None) -> tuple[list[torch.Tensor], list[tuple[int, torch.Tensor | None]]]:
+        """(mask of each decode group, (first key, mask) of each prefill chunk) under ``window`` (None: the causal
+        masks, first key 0). A decode group's mask keeps keys ``ctx - window .. ctx - 1``; prefill row ``r`` at
+        position ``p`` keeps keys ``p - window + 1 .. p``, its mask's columns starting at the chunk's first key
+        ``max(0, first row's position - window + 1)``; a chunk whose context fits in the window keeps its causal
+        mask."""
+        if window is None:
+            return [g.mask for g in self.decode_groups], [(0, m) for m in self.prefill_masks]
+        if window not in self._windowed:
+            self._windowed[window] = self._build_window_masks(window)
+        return self._windowed[window]
+
+    def _build_window_masks(self, window: int):
+        meta = self.meta
+        lens = meta.context_lens_cpu
+        decode = []
+        for g in self.decode_groups:
+            if max(lens[g.start:g.end]) <= window:
+                decode.append(g.mask)
+                continue
+            keys = torch.arange(g.mask.shape[-1], device=g.mask.device)[None, :]
+            ctx = meta.context_lens[g.start:g.end, None]
+            decode.append(((keys < ctx) & (keys >= ctx - window))[:, None, None, :])
+        prefill = []
+        for i, causal in zip(range(meta.num_decode_seqs, meta.num_seqs), self.prefill_masks):
+            q_len, ctx_len = meta.query_lens_cpu[i], lens[i]
+            if ctx_len <= window:
+                prefill.append((0, causal))
+                continue
+            first = max(0, ctx_len - q_len - window + 1)
+            device = meta.block_tables.device
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+            keys = torch.arange(first, ctx_len, device=device)[None, :]
+            prefill.append((first, (keys <= q_pos) & (keys > q_pos - window)))
+        return decode, prefill
 
 
 def plan_step(meta: AttentionMetadata, block_size: int) -> StepPlan:
@@ -128,13 +169,14 @@ def plan_step(meta: AttentionMetadata, block_size: int) -> StepPlan:
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
         masks.append(torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None])
     starts = meta.query_start_loc.tolist() if nd < meta.num_seqs else []
-    return StepPlan(groups, masks, starts)
+    return StepPlan(groups, masks, starts, meta)
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, plan: StepPlan | None = None,
                         key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                        workspace: Workspace | None = None, prefill_dtype: torch.dtype | None = None) -> torch.Tensor:
+                        workspace: Workspace | None = None, prefill_dtype: torch.dtype | None = None,
+                        sliding_window: int | None = None, decodes: bool = True) -> torch.Tensor:
     """Causal attention of the step's new tokens over their paged contexts (no cache write).
 
     Args:
@@ -149,6 +191,10 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         prefill_dtype: None, or the dtype a float32 query's prefill rows' q, k and v are rounded to for SDPA
             (bfloat16 on CPU: torch's flash kernel then multiplies on AMX / AVX512-BF16 and accumulates in fp32; the
             output is cast back to float32). Decode rows and other query dtypes are unaffected.
+        sliding_window: None, or the keys each query sees counting its own
+            (:meth:`~pagedserve.attention.base.AttentionBackend.forward`).
+        decodes: False leaves the decode rows of ``out`` unwritten (uninitialized), for a caller that computes
+            them itself.
 
     Returns:
         ``[T, num_heads, head_dim]``, query's dtype. Softmax is computed in fp32 for fp16/bf16 inputs on CUDA; the
@@ -156,6 +202,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     if plan is None:
         plan = plan_step(meta, k_cache.shape[1])
+    decode_masks, prefill_masks = plan.window_masks(check_sliding_window(sliding_window) or None)
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     gqa = num_heads != num_kv_heads
@@ -163,7 +210,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     compute_dtype = torch.float32 if upcast else query.dtype
     head_dim = query.shape[2]
     workspace = workspace or Workspace()
-    for g in plan.decode_groups:
+    for g, mask in zip(plan.decode_groups if decodes else (), decode_masks):
         n = g.end - g.start
         # Gather the group's blocks into reused buffers (index_select with out=: no fresh allocation per layer),
         # then view them [n, Hkv, S, D] without a copy.
@@ -176,18 +223,18 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         # [n, Hkv, H / Hkv, D] (query head h reads KV head h // (H / Hkv)), so no K/V head is repeated.
         q = query[g.start:g.end].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype),
-                                           attn_mask=g.mask, scale=scale)
+                                           attn_mask=mask, scale=scale)
         out[g.start:g.end] = o.reshape(n, num_heads, head_dim).to(out.dtype)
     nd, starts = meta.num_decode_seqs, plan.query_starts
     for i in range(nd, meta.num_seqs):
         q_len, ctx_len = meta.query_lens_cpu[i], meta.context_lens_cpu[i]
         a, b = starts[i], starts[i] + q_len
-        mask = plan.prefill_masks[i - nd]
+        first, mask = prefill_masks[i - nd]
         if mask is None and key is not None:
             k, v = key[a:b], value[a:b]
         else:
-            k = gather_kv(k_cache, meta.block_tables[i], ctx_len)
-            v = gather_kv(v_cache, meta.block_tables[i], ctx_len)
+            k = gather_kv(k_cache, meta.block_tables[i], ctx_len)[first:]
+            v = gather_kv(v_cache, meta.block_tables[i], ctx_len)[first:]
         # 4-D inputs: torch's CPU flash kernel takes only those (3-D ones fall back to the unfused math path).
         dtype = prefill_dtype if prefill_dtype is not None and query.dtype == torch.float32 else compute_dtype
         o = F.scaled_dot_product_attention(
@@ -211,10 +258,10 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan_meta: AttentionMetadata | None = None
         self._workspace = Workspace()
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, sliding_window=None):
         self._write_kv(query, key, value, k_cache, v_cache, meta)
         return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]),
-                                   key, value, self._workspace, self.prefill_dtype)
+                                   key, value, self._workspace, self.prefill_dtype, sliding_window)
 
     @staticmethod
     def _check_kv(query, key, value, k_cache) -> None:

@@ -7,27 +7,32 @@ import numpy as np
 import torch
 
 from . import geometry as geo
-from .checks import check_attention, check_tensor, log2e_scale
+from .checks import check_attention, check_sliding_window, check_tensor, log2e_scale
 from .geometry import DecodePlan, plan_decode
 from .runtime import current_runtime, module_key
 
 
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           context_lens_cpu: list[int] | None = None, plan: DecodePlan | None = None) -> None:
+                           context_lens_cpu: list[int] | None = None, plan: DecodePlan | None = None,
+                           sliding_window: int | None = None) -> None:
     """Decode attention: each of ``S = query.shape[0]`` sequences has one new token attending to its whole
-    context through its block table (GQA-tiled, split-K with a log-sum-exp merge for long contexts).
+    context through its block table, or to its last ``sliding_window`` tokens (GQA-tiled, split-K with a
+    log-sum-exp merge for long contexts).
 
     Args:
         out: ``[S, num_heads, head_dim]``, written. query: ``[S, num_heads, head_dim]``, rows 16-byte aligned.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, query's dtype.
         block_tables: ``[>= S, max_blocks]`` int32. context_lens: ``[>= S]`` int32 (the first S are used).
         scale: softmax scale. context_lens_cpu: host copy of the S context lengths (for the split plan), or
-        ``plan`` from :func:`pagedserve.kernels.geometry.plan_decode` (reusable across a step's layers).
+        ``plan`` from :func:`pagedserve.kernels.geometry.plan_decode` (reusable across a step's layers of the same
+        window). sliding_window: None, or the keys each query sees counting its own.
 
     Raises:
-        ValueError: on a dtype, shape, stride, alignment or device problem (before any CUDA call).
+        ValueError: on a dtype, shape, stride, alignment or device problem, a window below 1, or a plan made for
+            another window (before any CUDA call).
     """
+    window = check_sliding_window(sliding_window)
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) else 0
     dtype, (_, block_size, num_kv_heads, head_dim) = check_attention(
         out, query, k_cache, v_cache, block_tables, context_lens, num_seqs)
@@ -45,7 +50,9 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
     num_heads = query.shape[1]
     if plan is None:
         plan = plan_decode(dtype, context_lens_cpu, num_heads, num_kv_heads, head_dim, block_size,
-                           rt.num_sms(device.index))
+                           rt.num_sms(device.index), sliding_window=window)
+    if plan.sliding_window != window:
+        raise ValueError(f"plan: made for sliding_window {plan.sliding_window}, the call has {window}")
     expected_smem = geo.decode_smem_bytes(dtype, head_dim, block_size, plan.gqa_tile)
     if plan.grid[2] != num_seqs or plan.smem_bytes != expected_smem:
         raise ValueError(f"plan: made for {plan.grid[2]} sequences / {plan.smem_bytes} B of shared memory, the "
@@ -60,21 +67,24 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
     key = module_key(rt, device, "decode", dtype, head_dim, block_size)
     args = (ptr(out), *part_ptrs, ptr(query), ptr(k_cache), ptr(v_cache), ptr(block_tables),
             ptr(context_lens), np.int64(out.stride(0)), np.int64(query.stride(0)), np.int32(block_tables.stride(0)),
-            np.int32(num_heads), np.int32(num_kv_heads), np.int32(plan.partition_size), np.float32(scale_log2))
+            np.int32(num_heads), np.int32(num_kv_heads), np.int32(plan.partition_size), np.float32(scale_log2),
+            np.int32(window))
     rt.launch(key, geo.decode_kernel_name(dtype, head_dim, block_size, plan.gqa_tile), device, plan.grid,
               plan.block, args, plan.smem_bytes)
     if parts > 1:
         merge_args = (ptr(out), *part_ptrs, ptr(context_lens), np.int64(out.stride(0)), np.int32(parts),
-                      np.int32(plan.partition_size))
+                      np.int32(plan.partition_size), np.int32(window), np.int32(block_size))
         rt.launch(key, geo.decode_merge_kernel_name(dtype, head_dim), device, plan.merge_grid, plan.merge_block,
                   merge_args, plan.merge_smem_bytes)
 
 
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            scale: float, *, seq_offset: int, num_prefill_seqs: int, max_query_len: int) -> None:
+                            scale: float, *, seq_offset: int, num_prefill_seqs: int, max_query_len: int,
+                            sliding_window: int | None = None) -> None:
     """Causal attention of the new tokens of sequences ``seq_offset .. seq_offset + num_prefill_seqs - 1`` over
-    their cached prefix and themselves (tensor cores for fp16/bf16, a scalar kernel for fp32).
+    their cached prefix and themselves (tensor cores for fp16/bf16, a scalar kernel for fp32); under a
+    ``sliding_window`` W a token at position p sees keys p - W + 1 .. p only.
 
     Args:
         out, query: ``[T, num_heads, head_dim]`` over the step's flattened tokens; only the prefill rows of
@@ -83,8 +93,10 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
             the new rows). max_query_len: host int >= every prefill sequence's query length.
 
     Raises:
-        ValueError: on a dtype, shape, stride, alignment or device problem (before any CUDA call).
+        ValueError: on a dtype, shape, stride, alignment or device problem, or a window below 1 (before any CUDA
+            call).
     """
+    window = check_sliding_window(sliding_window)
     total = seq_offset + num_prefill_seqs
     dtype, (_, block_size, num_kv_heads, head_dim) = check_attention(
         out, query, k_cache, v_cache, block_tables, context_lens, total)
@@ -103,6 +115,7 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
     g = geo.plan_prefill(dtype, head_dim, num_heads, num_prefill_seqs, max_query_len)
     args = (ptr(out), ptr(query), ptr(k_cache), ptr(v_cache), ptr(block_tables), ptr(context_lens),
             ptr(query_start_loc), np.int64(out.stride(0)), np.int64(query.stride(0)), np.int32(block_tables.stride(0)),
-            np.int32(num_heads), np.int32(num_kv_heads), np.int32(seq_offset), np.float32(scale_log2))
+            np.int32(num_heads), np.int32(num_kv_heads), np.int32(seq_offset), np.float32(scale_log2),
+            np.int32(window))
     key = module_key(rt, device, "prefill", dtype, head_dim, block_size)
     rt.launch(key, geo.prefill_kernel_name(dtype, head_dim, block_size), device, g.grid, g.block, args, g.smem_bytes)

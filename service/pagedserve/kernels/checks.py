@@ -103,3 +103,16 @@ def check_attention(out, query, k_cache, v_cache, block_tables, context_lens, nu
     check_aligned("query", query)
     check_aligned("out", out, align=4)
     return dtype, cache_shape
+
+
+def check_sliding_window(sliding_window: int | None) -> int:
+    """The window as the kernels take it: 0 for None (no window), else ``sliding_window``.
+
+    Raises:
+        ValueError: ``sliding_window`` is not None and not an integer >= 1.
+    """
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window: {sliding_window!r} must be None or an integer >= 1")
+    return sliding_window

@@ -6,7 +6,7 @@ launchers launch with the geometry computed here (argument checks: :mod:`pagedse
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -141,12 +141,26 @@ class DecodePlan:
     merge_grid: tuple[int, int, int]
     merge_block: tuple[int, int, int]
     merge_smem_bytes: int
+    sliding_window: int = 0       # the window it was planned for (0: none); the launch must pass the same
+
+
+def window_read_len(context_len: int, sliding_window: int, block_size: int) -> int:
+    """Tokens paged_decode_kernel reads for a context of ``context_len`` tokens: all of them, or under a sliding
+    window ``W > 0`` those from the window's first token ``context_len - W`` rounded down to its cache block (the
+    kernel's ``window_read_start``, cuda/decode_chunk.cuh); at most ``W + block_size - 1``."""
+    if sliding_window <= 0 or context_len <= sliding_window:
+        return context_len
+    first = context_len - sliding_window
+    return context_len - (first - first % block_size)
 
 
 def plan_decode(dtype: str, context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                block_size: int, num_sms: int, partition_size: int | None = None) -> DecodePlan:
-    """Geometry of paged_decode_kernel (+ merge) for ``len(context_lens)`` sequences. ``partition_size`` (a
-    multiple of ``block_size``) overrides :func:`decode_partition_size`."""
+                block_size: int, num_sms: int, partition_size: int | None = None,
+                sliding_window: int = 0) -> DecodePlan:
+    """Geometry of paged_decode_kernel (+ merge) for ``len(context_lens)`` sequences, under ``sliding_window``
+    (0: none; the partitions then cover only :func:`window_read_len` tokens of each context). ``partition_size``
+    (a multiple of ``block_size``) overrides :func:`decode_partition_size`."""
+    context_lens = [window_read_len(c, sliding_window, block_size) for c in context_lens]
     tile = decode_gqa_tile(num_heads, num_kv_heads)
     kv_programs = num_kv_heads * cdiv(num_heads // num_kv_heads, tile)
     size = partition_size or decode_partition_size(context_lens, kv_programs, num_sms, block_size)
@@ -158,11 +172,11 @@ def plan_decode(dtype: str, context_lens: list[int], num_heads: int, num_kv_head
                       grid=(parts, kv_programs, num_seqs), block=(DECODE_NUM_WARPS * 32, 1, 1),
                       smem_bytes=decode_smem_bytes(dtype, head_dim, block_size, tile),
                       merge_grid=(num_heads, num_seqs, 1), merge_block=(min(head_dim, 256), 1, 1),
-                      merge_smem_bytes=4 * parts)
+                      merge_smem_bytes=4 * parts, sliding_window=sliding_window)
 
 
 def plan_decode_fixed(dtype: str, num_seqs: int, max_context_len: int, num_heads: int, num_kv_heads: int,
-                      head_dim: int, block_size: int, num_sms: int) -> DecodePlan:
+                      head_dim: int, block_size: int, num_sms: int, sliding_window: int = 0) -> DecodePlan:
     """Fixed-grid decode geometry for CUDA graphs: it depends only on the batch size and the context capacity
     ``max_context_len`` (tokens, >= every context length a replay may see, e.g. max_model_len rounded up to whole
     blocks), never on a step's host-side context lengths, so one captured launch serves every replay.
@@ -171,16 +185,21 @@ def plan_decode_fixed(dtype: str, num_seqs: int, max_context_len: int, num_heads
     grid any step can need); the grid holds ``ceil(max_context_len / partition_size)`` partitions per sequence.
     At replay the kernel reads ``context_lens`` on the device: partitions that start past a sequence's context
     exit at once, the merge kernel combines only the partitions that hold tokens, and a sequence of context 0
-    (a padded row) gets zeros. Raises ValueError for ``num_seqs < 1`` or ``max_context_len < 1``.
+    (a padded row) gets zeros. Under a ``sliding_window`` the capacity is what a window's read can reach
+    (``min(max_context_len, W + block_size - 1)``, :func:`window_read_len`). Raises ValueError for ``num_seqs < 1``
+    or ``max_context_len < 1``.
     """
     if num_seqs < 1 or max_context_len < 1:
         raise ValueError(f"plan_decode_fixed: need num_seqs >= 1 and max_context_len >= 1, got {num_seqs}, "
                          f"{max_context_len}")
+    if sliding_window > 0:
+        max_context_len = min(max_context_len, sliding_window + block_size - 1)
     tile = decode_gqa_tile(num_heads, num_kv_heads)
     kv_programs = num_kv_heads * cdiv(num_heads // num_kv_heads, tile)
     size = decode_partition_size([max_context_len] * num_seqs, kv_programs, num_sms, block_size)
-    return plan_decode(dtype, [max_context_len] * num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_sms,
+    plan = plan_decode(dtype, [max_context_len] * num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_sms,
                        partition_size=size)
+    return replace(plan, sliding_window=sliding_window)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,12 +11,14 @@ biases. The forward runs on a flattened batch of the step's new tokens, attentio
 projections are fused into one matmul each. ``forward`` has no host synchronization.
 
 What a family's config asks for and this decoder cannot run exactly is refused when the model is built, naming the
-config field (:class:`UnsupportedConfig`); what is exact only up to a context length (a sliding window, a rope
-type that changes with the length) sets :attr:`DecoderSpec.max_exact_len`, which caps the engine's context.
+config field (:class:`UnsupportedConfig`); what is exact only up to a context length (a rope type that changes with
+the length) sets :attr:`DecoderSpec.max_exact_len`, which caps the engine's context. Sliding-window layers (Mistral,
+Qwen2's upper layers, Phi-3, ...) pass their window to the attention backend, which masks keys outside it.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -25,7 +27,7 @@ from ..attention.base import AttentionBackend, AttentionMetadata
 from ..kernels import elementwise_ref as ops
 from . import layers
 from .layers import SINGLE, TPGroup
-from .config_checks import UnsupportedConfig, require, window_limit
+from .config_checks import UnsupportedConfig, layer_windows, require
 from .decoder_spec import DecoderSpec
 from .moe import SparseMoeBlock
 from .rope import inv_freq_and_factor, rope_parameters, rope_table, rotary_dim_of
@@ -50,6 +52,8 @@ class DecoderAttention(nn.Module):
         self.scale = spec.attention_multiplier if spec.attention_multiplier is not None else self.head_dim ** -0.5
         self.layer_idx = layer_idx
         self.rotary_dim = rotary_dim if (spec.rope_layers is None or spec.rope_layers[layer_idx]) else 0
+        #: keys this layer's queries see, counting their own (None: the whole context)
+        self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
         self.qk_norm, self.eps = spec.qk_norm, cfg.rms_norm_eps
         self.qkv_proj = layers.qkv_linear(cfg.hidden_size, total_heads, total_kv_heads, self.head_dim,
                                           spec.qkv_bias, tp)
@@ -93,9 +97,9 @@ class DecoderAttention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].reshape(T, self.num_kv_heads, self.head_dim)
         if meta is None:  # compiled forward: attention + KV write as one opaque op reading the step context
-            out = torch.ops.pagedserve.paged_attention(q, k, v, self.layer_idx, self.scale)
+            out = torch.ops.pagedserve.paged_attention(q, k, v, self.layer_idx, self.scale, self.sliding_window or 0)
         else:
-            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -153,12 +157,20 @@ class DecoderForCausalLM(nn.Module):
         UnsupportedConfig: a config field the decoder cannot run exactly (named in the message).
     """
 
+    #: Whether the family reads ``sliding_window`` / ``layer_types`` as its HF class does (Mistral, Mixtral, Qwen2/3,
+    #: Phi-3, SmolLM3). False where transformers ignores them (Llama, Granite, OLMo 2): a stray field changes nothing.
+    sliding_window_attention: bool = False
+
     @classmethod
     def spec_of(cls, cfg) -> DecoderSpec:
-        """The options of ``cfg``: :meth:`family_spec` under the checks every family shares (the MLP is SwiGLU; a
-        sliding window caps the context, :func:`~.config_checks.window_limit`)."""
+        """The options of ``cfg``: :meth:`family_spec` under what every family shares (the MLP is SwiGLU; in a
+        family with :attr:`sliding_window_attention`, each layer's window from :func:`~.config_checks.layer_windows`
+        unless the family set them)."""
         require(cfg, "hidden_act", ("silu",), "the MLP runs SwiGLU")
-        return cls.family_spec(cfg).capped(*window_limit(cfg))
+        spec = cls.family_spec(cfg)
+        if cls.sliding_window_attention and spec.sliding_windows is None:
+            spec = replace(spec, sliding_windows=layer_windows(cfg))
+        return spec
 
     @classmethod
     def family_spec(cls, cfg) -> DecoderSpec:
@@ -204,11 +216,12 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def plain_llama(self) -> bool:
-        """Whether every layer is Llama's (what the fused C++ decode stack, :mod:`.fused_decode`, runs)."""
+        """Whether every layer is Llama's, full attention included (what the fused C++ decode stack,
+        :mod:`.fused_decode`, runs)."""
         s = self.spec
         return (s.qk_norm == "none" and s.norm_layout == "pre" and s.rope_layers is None and s.moe is None
                 and s.embedding_multiplier == 1.0 and s.residual_multiplier == 1.0 and s.logits_scaling == 1.0
-                and s.attention_multiplier is None and self.rotary_dim == self.head_dim)
+                and s.attention_multiplier is None and self.rotary_dim == self.head_dim and s.sliding_windows is None)
 
     @property
     def host_sync_reason(self) -> str | None:

@@ -24,6 +24,8 @@ class DecoderSpec:
         max_exact_len: tokens up to which the model is exact (None: ``max_position_embeddings``);
             ``max_exact_len_reason`` names the config field behind it.
         moe: the mixture-of-experts layers (:class:`~.moe.MoeSpec`; None: every MLP dense).
+        sliding_windows: per layer its sliding window in tokens, None for full attention
+            (:func:`~.config_checks.layer_windows`); None: every layer attends to its whole context.
     """
 
     qkv_bias: bool = False
@@ -39,6 +41,7 @@ class DecoderSpec:
     max_exact_len: int | None = None
     max_exact_len_reason: str = ""
     moe: MoeSpec | None = None
+    sliding_windows: tuple[int | None, ...] | None = None
 
     def capped(self, limit: int | None, reason: str) -> DecoderSpec:
         """This spec with ``max_exact_len`` lowered to ``limit`` (None: unchanged)."""

@@ -15,6 +15,8 @@ _NAMES = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
+    sliding_window_attention = True
+
     @classmethod
     def family_spec(cls, cfg) -> DecoderSpec:
         return DecoderSpec(moe=moe_spec_from(cfg, "num_local_experts", "intermediate_size", True))

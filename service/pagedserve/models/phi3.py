@@ -1,7 +1,7 @@
 """Phi-3 / Phi-4-mini (HF transformers' ``Phi3ForCausalLM``): Llama's layers with Q/K/V and gate/up stored fused
 in the checkpoint (``qkv_proj``, ``gate_up_proj``; split here into Llama's names as read), rotary over the first
 ``partial_rotary_factor`` of each head (Phi-4-mini: 0.75) and ``longrope`` scaling (exact up to
-``original_max_position_embeddings``, :mod:`.rope`). ``sliding_window`` caps the context at the window."""
+``original_max_position_embeddings``, :mod:`.rope`). ``sliding_window`` applies to every layer."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -10,6 +10,8 @@ from .decoder import DecoderForCausalLM, DecoderSpec, split_fused
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
+    sliding_window_attention = True
+
     @classmethod
     def family_spec(cls, cfg) -> DecoderSpec:
         return DecoderSpec()

@@ -3,7 +3,8 @@
 experts of ``moe_intermediate_size`` on every ``decoder_sparse_step``-th layer outside ``mlp_only_layers``, top-k
 renormalized when ``norm_topk_prob``: :mod:`.moe`), after HF transformers' ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``.
-Sliding-window layers (``use_sliding_window`` with ``layer_types``) cap the context at the window."""
+Sliding-window layers (``use_sliding_window``; ``layer_types``, from ``max_window_layers`` on) pass their window to
+the attention backend."""
 from __future__ import annotations
 
 from .decoder import DecoderForCausalLM, DecoderSpec, llama_biases
@@ -11,18 +12,24 @@ from .moe import moe_spec_from
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
+    sliding_window_attention = True
+
     @classmethod
     def family_spec(cls, cfg) -> DecoderSpec:
         return DecoderSpec(qkv_bias=True)
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
+    sliding_window_attention = True
+
     @classmethod
     def family_spec(cls, cfg) -> DecoderSpec:
         return DecoderSpec(**llama_biases(cfg), qk_norm="head")
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    sliding_window_attention = True
+
     @classmethod
     def family_spec(cls, cfg) -> DecoderSpec:
         step, dense = int(getattr(cfg, "decoder_sparse_step", 1) or 1), set(getattr(cfg, "mlp_only_layers", []) or [])

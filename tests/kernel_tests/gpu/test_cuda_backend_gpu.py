@@ -26,7 +26,7 @@ def test_auto_selects_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_mixed_step_matches_torch_backend(dtype):
-    bc.check_mixed_step(DEV, dtype, CudaAttentionBackend())
+    bc.check_mixed_step(DEV, dtype, CudaAttentionBackend(), (None, 48, None, 7))  # full and windowed layers
 
 
 @pytest.fixture(scope="module")

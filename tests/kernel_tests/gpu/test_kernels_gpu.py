@@ -39,6 +39,16 @@ def test_prefill_matches_reference(dtype, head_dim, block_size):
     kc.check_prefill(DEV, dtype, head_dim, block_size, **kc.gpu_prefill_case(block_size))
 
 
+@pytest.mark.parametrize("window", [1, 100, 4096])
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_sliding_window_matches_reference(dtype, window):
+    """Decode (with split-K) and prefill under a sliding window against the windowed torch reference."""
+    kc.check_decode(DEV, dtype, 128, 16, kc.GPU_DECODE_CASES, window=window)
+    kc.check_decode_partitions(DEV, dtype, [1, 63, 64, 65, 1500, 3001], 16, 2, 128, 16, (64, None, 3008),
+                               window=window)
+    kc.check_prefill(DEV, dtype, 128, 16, **kc.gpu_prefill_case(16), window=window)
+
+
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
 def test_reshape_and_cache_is_exact(dtype):
     kc.check_reshape_and_cache(DEV, dtype)

@@ -6,6 +6,7 @@ reading the new K/V rows directly).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,16 +16,18 @@ from pagedserve.attention import torch_ref
 from pagedserve.attention.base import AttentionMetadata
 
 
-def dense_reference(q, k, v, scale):
+def dense_reference(q, k, v, scale, window=None):
     """Causal attention of ``q`` ``[Lq, H, D]`` over ``k``/``v`` ``[Lk, Hkv, D]``; the queries are the last Lq
-    positions. float64."""
+    positions; with a ``window`` a query at position p sees keys p - window + 1 .. p only. float64."""
     lq, h, _ = q.shape
     lk, hkv, _ = k.shape
     k = k.double().repeat_interleave(h // hkv, dim=1)
     v = v.double().repeat_interleave(h // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     pos_q = torch.arange(lk - lq, lk)[:, None]
-    scores = scores.masked_fill(torch.arange(lk)[None, :] > pos_q, float("-inf"))
+    keys = torch.arange(lk)[None, :]
+    hidden = (keys > pos_q) | ((keys <= pos_q - window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -89,6 +92,35 @@ def test_backend_matches_dense_attention(num_heads, num_kv_heads):
     torch.testing.assert_close(torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale), out)
 
 
+@pytest.mark.parametrize("window", [1, 7, 64, 350, 5000])
+def test_sliding_window_matches_dense_attention(window):
+    """A sliding window (1 key, less than a block, a block's multiple, mid-context, wider than every context) on
+    decodes in several groups and prefill chunks with and without a cached prefix, chunks starting past the window:
+    each row equals dense attention over the keys of its window; the step's other layers (no window) are unchanged
+    by the windowed layer's masks."""
+    block_size, head_dim, scale = 16, 32, 32 ** -0.5
+    decode_ctx = [900, 870, 400, 120, 64, 17, 1]
+    prefill = [(40, 40), (25, 200), (30, 30 + 700), (400, 400)]
+    query_lens = [1] * len(decode_ctx) + [q for q, _ in prefill]
+    context_lens = decode_ctx + [c for _, c in prefill]
+    k_cache, v_cache, meta, query, key, value, starts = build_step(
+        query_lens, context_lens, 8, 2, head_dim, block_size, 400, seed=window)
+    backend = torch_ref.TorchAttentionBackend()
+    full = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
+    out = backend.forward(query, key, value, k_cache, v_cache, meta, scale, window)
+    again = backend.forward(query, key, value, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(again, full, atol=0, rtol=0)
+    for i, (ql, cl) in enumerate(zip(query_lens, context_lens)):
+        k = torch_ref.gather_kv(k_cache, meta.block_tables[i], cl)
+        v = torch_ref.gather_kv(v_cache, meta.block_tables[i], cl)
+        ref = dense_reference(query[starts[i]:starts[i] + ql], k, v, scale, window)
+        torch.testing.assert_close(out[starts[i]:starts[i] + ql].double(), ref, atol=2e-5, rtol=1e-5)
+    if window >= max(context_lens):
+        torch.testing.assert_close(out, full, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        backend.forward(query, key, value, k_cache, v_cache, meta, scale, 0)
+
+
 def test_decode_groups_cover_every_row_once_in_any_order():
     lens = [3, 700, 20, 700, 1, 64, 5000, 2]  # not sorted: still correct, only less tightly grouped
     _, _, meta, *_ = build_step([1] * len(lens), lens, 2, 1, 16, 16, 600, seed=0)
@@ -118,3 +150,22 @@ def test_bfloat16_on_cpu_runs_the_flash_kernel_within_bf16_tolerance():
         k[cl - ql:], v[cl - ql:] = key_b[starts[i]:starts[i] + ql], value_b[starts[i]:starts[i] + ql]
         ref = dense_reference(query[starts[i]:starts[i] + ql].bfloat16().float(), k, v, 0.125)
         torch.testing.assert_close(out[starts[i]:starts[i] + ql].double(), ref, atol=3e-2, rtol=2e-2)
+
+
+def test_opaque_op_passes_the_layer_window():
+    """The compiled forward's attention op (attention/opaque.py) runs the backend with the layer's window (0: none)
+    and zeroes the padded rows past the step's tokens."""
+    from pagedserve.attention.opaque import step_context
+
+    k_cache, v_cache, meta, query, key, value, _ = build_step([1, 1, 30], [300, 40, 90], 4, 2, 16, 16, 64, seed=5)
+    ref = torch_ref.TorchAttentionBackend()
+    want = ref.forward(query, key, value, k_cache.clone(), v_cache.clone(), meta, 0.25, 9)
+    full = ref.forward(query, key, value, k_cache.clone(), v_cache.clone(), meta, 0.25)
+    pad = lambda t: torch.cat([t, torch.zeros(3, *t.shape[1:])])  # noqa: E731
+    padded = dataclasses.replace(meta, slot_mapping=torch.cat([meta.slot_mapping, torch.full((3,), -1)]))
+    with step_context(torch_ref.TorchAttentionBackend(), padded, [(k_cache, v_cache)], query.shape[0]):
+        got = torch.ops.pagedserve.paged_attention(pad(query), pad(key), pad(value), 0, 0.25, 9)
+        got_full = torch.ops.pagedserve.paged_attention(pad(query), pad(key), pad(value), 0, 0.25)
+    torch.testing.assert_close(got[:query.shape[0]], want, atol=0, rtol=0)
+    torch.testing.assert_close(got_full[:query.shape[0]], full, atol=0, rtol=0)
+    assert not (got[:query.shape[0]] - full).abs().max() < 1e-3 and not got[query.shape[0]:].any()

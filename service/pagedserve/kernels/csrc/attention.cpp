@@ -18,6 +18,8 @@
 // cut into splits (flash-decoding, Dao et al. 2023): every split gives per head its score maximum m, its sum of
 // exp(score - m) l and the unnormalised output o = sum exp(score - m) v, and a second pass merges the splits:
 // out = sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p with M = max_p m_p. Softmax in float32 (exp8).
+// With a sliding window W > 0 a sequence of len rows attends to its last min(len, W) rows only (its query sits at
+// position len - 1 and sees positions len - W .. len - 1: transformers' sliding_window), and only those are read.
 
 namespace pagedserve::cpu {
 namespace {
@@ -157,7 +159,7 @@ int64_t choose_splits(int64_t pairs, int64_t max_len, int64_t threads, int64_t m
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t max_splits) {
+                                  int64_t max_splits, int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [S, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && is_cache_type(k_cache.scalar_type()) && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
@@ -173,23 +175,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) == S && context_lens.size(0) == S, "one block table row and length per sequence");
   TORCH_CHECK(max_splits >= 0, "max_splits must be >= 0 (0: chosen by the kernel)");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
   const at::Tensor lens_tensor = context_lens.contiguous();   // kept alive: lens points into it
   const int32_t* lens = lens_tensor.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  // The first row each sequence attends to: 0, or with a window the first row inside it.
+  auto first_row = [&](int64_t s) -> int64_t {
+    return sliding_window > 0 ? std::max<int64_t>(0, lens[s] - sliding_window) : 0;
+  };
   const int64_t num_blocks = k_cache.size(0);
-  for (int64_t s = 0; s < S; ++s) {
+  for (int64_t s = 0; s < S; ++s) {   // the blocks read: those holding rows [first_row, len)
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context length out of range for sequence ", s);
-    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
+    for (int64_t b = first_row(s) / block_size; b < (lens[s] + block_size - 1) / block_size; ++b)
       TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
                   "block id out of range for sequence ", s);
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
   int64_t max_len = 0;
-  for (int64_t s = 0; s < S; ++s) max_len = std::max<int64_t>(max_len, lens[s]);
+  for (int64_t s = 0; s < S; ++s) max_len = std::max<int64_t>(max_len, lens[s] - first_row(s));
   const int64_t G = H / Hkv, pairs = S * Hkv;
   const int64_t P = choose_splits(pairs, max_len, at::get_num_threads(), max_splits);
-  // With P > 1, split p of a context of len rows covers [p * chunk, min(len, (p + 1) * chunk)), chunk = ceil(len / P)
-  // rounded up to whole cache blocks; a split past the end is empty (l = 0) and drops out of the merge.
+  // With P > 1, split p of the rows [first, len) covers [first + p * chunk, min(len, first + (p + 1) * chunk)), chunk =
+  // ceil((len - first) / P) rounded up to whole cache blocks; a split past the end is empty (l = 0) and drops out of
+  // the merge.
   std::vector<float> partial(P > 1 ? pairs * P * G * (D + 2) : 0);
   AT_DISPATCH_SWITCH(k_cache.scalar_type(), "paged_decode_attention", PAGEDSERVE_CACHE_TYPE_CASES([&] {
     const DecodeArgs<scalar_t> args{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
@@ -199,8 +207,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       std::vector<float> scores, o(P > 1 ? 0 : G * D), ml(P > 1 ? 0 : 2 * G);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t pair = item / P, p = item % P, s = pair / Hkv, kvh = pair % Hkv, len = lens[s];
+        const int64_t first = first_row(s);
         if (P == 1) {
-          decode_group_dispatch(args, s, kvh, 0, len, scores, o.data(), ml.data(), ml.data() + G);
+          decode_group_dispatch(args, s, kvh, first, len, scores, o.data(), ml.data(), ml.data() + G);
           for (int64_t g = 0; g < G; ++g) {
             const float inv = 1.0f / ml[G + g];
             float* dst = out_p + (s * H + kvh * G + g) * D;
@@ -209,8 +218,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
           continue;
         }
         float* rec = partial.data() + item * G * (D + 2);   // [m (G), l (G), o (G x D)]
-        const int64_t chunk = ((len + P - 1) / P + block_size - 1) / block_size * block_size;
-        const int64_t lo = std::min(len, p * chunk), hi = std::min(len, lo + chunk);
+        const int64_t chunk = ((len - first + P - 1) / P + block_size - 1) / block_size * block_size;
+        const int64_t lo = std::min(len, first + p * chunk), hi = std::min(len, lo + chunk);
         if (lo == hi) {
           std::fill_n(rec, G, -INFINITY);
           std::fill_n(rec + G, G, 0.0f);
