@@ -107,6 +107,22 @@ def test_fused_stack_with_qkv_bias_and_levels(levels):
     assert torch.equal(fused, python)
 
 
+def test_fused_stack_with_sliding_windows():
+    """Per-layer sliding windows (Mistral on every layer, Qwen2 on some): the fused stack passes each layer's to the
+    decode kernel, so it still equals the Python forward, and the windows change the result."""
+    model, _ = int4_llama()
+    step = decode_step(model, [30, 7, 100], seed=4)
+    full, _, _, _ = run_both(model, *step)
+    for layer, window in zip(model.layers, (20, None, 5)):
+        layer.self_attn.sliding_window = window
+    model.refresh_fused_decode()
+    assert model.fused_decode.sliding_windows == [20, 0, 5]
+    fused, fused_kv, python, python_kv = run_both(model, *step)
+    assert torch.equal(fused, python) and not torch.allclose(fused, full)
+    for (fk, fv), (pk, pv) in zip(fused_kv, python_kv):
+        assert torch.equal(fk, pk) and torch.equal(fv, pv)
+
+
 def test_which_steps_it_takes():
     model, _ = int4_llama()
     fused, cpu = model.fused_decode, CpuAttentionBackend()

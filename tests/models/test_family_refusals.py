@@ -129,7 +129,7 @@ def test_sliding_windows_reach_each_layer_and_cap_nothing(label, extra, windows)
     checks the output past the window against transformers)."""
     model = _build(hf_config(label, **extra))
     assert tuple(layer.self_attn.sliding_window for layer in model.layers) == windows
-    assert model.max_exact_len is None and not model.plain_llama
+    assert model.max_exact_len is None
 
 
 @pytest.mark.parametrize("extra,field", [

@@ -216,12 +216,12 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def plain_llama(self) -> bool:
-        """Whether every layer is Llama's, full attention included (what the fused C++ decode stack,
+        """Whether every layer is Llama's, sliding windows allowed (what the fused C++ decode stack,
         :mod:`.fused_decode`, runs)."""
         s = self.spec
         return (s.qk_norm == "none" and s.norm_layout == "pre" and s.rope_layers is None and s.moe is None
                 and s.embedding_multiplier == 1.0 and s.residual_multiplier == 1.0 and s.logits_scaling == 1.0
-                and s.attention_multiplier is None and self.rotary_dim == self.head_dim and s.sliding_windows is None)
+                and s.attention_multiplier is None and self.rotary_dim == self.head_dim)
 
     @property
     def host_sync_reason(self) -> str | None:

@@ -44,6 +44,7 @@ class FusedDecode:
         self.biases = [m.bias for m in linears]
         self.out_features = [m.out_features for m in linears]
         self.linears = linears
+        self.sliding_windows = [layer.self_attn.sliding_window or 0 for layer in model.layers]
 
     @classmethod
     def build(cls, model) -> FusedDecode | None:
@@ -81,4 +82,5 @@ class FusedDecode:
             hidden, positions, cos_sin, self.input_norms, self.post_norms, self.final_norm, self.packed, self.dw,
             self.mw, self.biases, self.out_features, [m.a8_levels for m in self.linears], [kv[0] for kv in kv_caches],
             [kv[1] for kv in kv_caches], meta.slot_mapping,
-            meta.block_tables, meta.context_lens, self.num_heads, self.num_kv_heads, self.eps, self.scale)
+            meta.block_tables, meta.context_lens, self.num_heads, self.num_kv_heads, self.eps, self.scale,
+            self.sliding_windows)

@@ -19,6 +19,7 @@ namespace pagedserve::cpu {
 // as pack_q4_vnni panels (packed, dw, mw) with out_features and levels, biases (None or float32 [N]);
 // k_caches[l], v_caches[l] [blocks, block_size, Hkv, D] (written at slot_mapping, int64 [T]).
 // block_tables int32 [T, max_blocks], context_lens int32 [T] (one decode token per sequence, the new one counted).
+// sliding_windows: per layer its window in tokens (0: full attention), or empty (every layer full).
 // Returns the final-normed hidden states float32 [T, hidden].
 at::Tensor llama_decode_layers(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& cos_sin,
                                at::TensorList input_norms, at::TensorList post_norms, const at::Tensor& final_norm,
@@ -27,8 +28,10 @@ at::Tensor llama_decode_layers(const at::Tensor& hidden, const at::Tensor& posit
                                at::IntArrayRef levels, at::TensorList k_caches, at::TensorList v_caches,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                               double scale) {
+                               double scale, at::IntArrayRef sliding_windows) {
   const int64_t L = static_cast<int64_t>(input_norms.size());
+  TORCH_CHECK(sliding_windows.empty() || static_cast<int64_t>(sliding_windows.size()) == L,
+              "sliding_windows: one per layer (0: full attention), or none");
   TORCH_CHECK(L >= 1 && static_cast<int64_t>(post_norms.size()) == L && static_cast<int64_t>(k_caches.size()) == L &&
                   static_cast<int64_t>(v_caches.size()) == L,
               "input_norms, post_norms, k_caches and v_caches need one entry per layer");
@@ -57,7 +60,8 @@ at::Tensor llama_decode_layers(const at::Tensor& hidden, const at::Tensor& posit
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
     reshape_and_cache(k, v, k_caches[l], v_caches[l], slot_mapping);
     const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, num_heads).contiguous(), k_caches[l], v_caches[l],
-                                                   block_tables, context_lens, scale);
+                                                   block_tables, context_lens, scale, 0,
+                                                   sliding_windows.empty() ? 0 : sliding_windows[l]);
     const at::Tensor o = linear(attn.view({T, q_size}), 4 * l + 1);
     auto [h2, sum2] = rms_norm(o, post_norms[l], eps, residual);
     residual = sum2;

@@ -73,6 +73,6 @@ at::Tensor llama_decode_layers(const at::Tensor& hidden, const at::Tensor& posit
                                at::IntArrayRef levels, at::TensorList k_caches, at::TensorList v_caches,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                               double scale);
+                               double scale, at::IntArrayRef sliding_windows);
 
 }  // namespace pagedserve::cpu

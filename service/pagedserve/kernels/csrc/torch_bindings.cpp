@@ -32,7 +32,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("llama_decode_layers(Tensor hidden, Tensor positions, Tensor cos_sin, Tensor[] input_norms, "
         "Tensor[] post_norms, Tensor final_norm, Tensor[] packed, Tensor[] dw, Tensor[] mw, Tensor?[] biases, "
         "int[] out_features, int[] levels, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, "
+        "int[] sliding_windows=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
