@@ -50,7 +50,7 @@ def test_forward_logits_match_hf(server, hf_llm, tokenizer):
 def test_concurrent_greedy_equals_hf_generate(server, client, hf_llm, tokenizer):
     """8 chat prompts sent at once (they share batches): greedy tokens identical to HF generate. min_tokens on our
     side and min_new_tokens on HF's both mask EOS, so every completion runs its full length."""
-    max_tokens = [32 + 4 * i for i in range(len(CHAT_PROMPTS))]
+    max_tokens = [16 + 4 * i for i in range(len(CHAT_PROMPTS))]
     with concurrent.futures.ThreadPoolExecutor(len(CHAT_PROMPTS)) as pool:
         futures = [pool.submit(stream, client, messages=[("user", p)], temperature=0.0, max_tokens=m, min_tokens=m)
                    for p, m in zip(CHAT_PROMPTS, max_tokens)]

@@ -105,7 +105,7 @@ for size in (3, 1):
                                              max_model_len=1024))
     infos.append(info.quantization)
     for i, p in enumerate(CHAT_PROMPTS[:3]):
-        engine.add_request(f"r{i}", chat_ids(engine.tokenizer, p), SamplingParams(max_tokens=12, temperature=0.0))
+        engine.add_request(f"r{i}", chat_ids(engine.tokenizer, p), SamplingParams(max_tokens=8, temperature=0.0))
     done = run_to_completion(engine)
     outs.append([done[f"r{i}"][0][0] for i in range(3)])
     engine.close()

@@ -74,16 +74,19 @@ def test_decode_split_k_partitions_agree(sim, dtype):
     assert any(name.startswith("paged_decode_merge_kernel") for name in launched)
 
 
-# Sliding windows: one key, inside a block, a block multiple, mid-context, wider than every context.
-WINDOWS = [1, 5, 32, 100, 20000]
+# Sliding windows on float16 (one key, inside a block, a block multiple, mid-context, wider than every context),
+# one each on the other dtypes and the other head dim / block size.
+DECODE_WINDOWS = [((torch.float16, 128, 16), w) for w in (1, 5, 32, 100, 20000)] + [
+    ((torch.bfloat16, 128, 16), 100), ((torch.float32, 128, 16), 5), ((torch.float16, 64, 32), 100)]
+PREFILL_WINDOWS = [((torch.float16, 128, 16), w) for w in (1, 7, 64, 100)] + [
+    ((torch.bfloat16, 128, 16), 64), ((torch.float32, 128, 16), 7), ((torch.bfloat16, 64, 32), 100)]
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("dtype,head_dim,block_size", [(d, 128, 16) for d in kc.DTYPES] + [(torch.float16, 64, 32)],
-                         ids=str)
-def test_decode_sliding_window_matches_reference(sim, dtype, head_dim, block_size, window):
+@pytest.mark.parametrize("config,window", DECODE_WINDOWS, ids=str)
+def test_decode_sliding_window_matches_reference(sim, config, window):
     """Decodes under a sliding window: each context's last ``window`` tokens only, and only the blocks of the
     window's read (the table entries before it point outside the cache: a read there stops the emulator)."""
+    dtype, head_dim, block_size = config
     kc.check_decode(CPU, dtype, head_dim, block_size, DECODE_CASES[:3] + DECODE_CASES[4:], window=window)
 
 
@@ -95,12 +98,11 @@ def test_decode_sliding_window_split_k(sim, window):
                                window=window)
 
 
-@pytest.mark.parametrize("window", [1, 7, 64, 100])
-@pytest.mark.parametrize("dtype,head_dim,block_size", [(d, 128, 16) for d in kc.DTYPES] + [(torch.bfloat16, 64, 32)],
-                         ids=str)
-def test_prefill_sliding_window_matches_reference(sim, dtype, head_dim, block_size, window):
+@pytest.mark.parametrize("config,window", PREFILL_WINDOWS, ids=str)
+def test_prefill_sliding_window_matches_reference(sim, config, window):
     """Prefill chunks under a sliding window: after cached prefixes longer than the window (whole key tiles
     skipped), chunks longer than the window (rows whose window starts mid-tile), a one-token chunk."""
+    dtype, head_dim, block_size = config
     kc.check_prefill(CPU, dtype, head_dim, block_size, prefix=[2 * block_size, 33, 300, 0, 5],
                      new=[70, 5, 130, 150, 1], decode_ctx=(300, 1), heads_kv=(4, 2), window=window)
 
