@@ -210,6 +210,11 @@ def test_kv_cache_dtype_is_checked():
 
 @pytest.mark.e2e   # the session server; the rest of this module is kernel-level
 def test_model_info_reports_the_kv_cache_dtype(server, client):
-    """GetModelInfo.generation.kv_cache_dtype is the cache's element type (the session server: auto -> float32)."""
-    assert client.model_info().generation.kv_cache_dtype == "float32"
+    """GetModelInfo.generation.kv_cache_dtype is the cache's element type (the session server: auto -> float32), and
+    the KV layout it reports (SmolLM2-135M: 30 layers, 3 KV heads of 64, no window, dense) gives kv_block_bytes."""
+    info = client.model_info().generation
+    assert info.kv_cache_dtype == "float32"
+    assert (info.num_layers, info.num_kv_heads, info.head_dim) == (30, 3, 64)
+    assert list(info.sliding_windows) == [] and (info.num_experts, info.num_experts_per_token) == (0, 0)
+    assert info.kv_block_bytes == info.block_size * 2 * 30 * 3 * 64 * 4
     assert server.engine.executor.worker.runner.kv_caches[0][0].dtype == torch.float32

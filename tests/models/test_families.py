@@ -88,6 +88,16 @@ def test_greedy_through_engine_matches_transformers(family, backend):
     engine, info = build_engine(config, model=model, tokenizer=word_tokenizer(256), hf_config=cfg,
                                 backend=_backend(backend))
     assert info.max_model_len == min(cap, 512)
+    # what GetModelInfo reports of the model, against the HF config
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention" if getattr(cfg, "sliding_window", None)
+                                                   else "full_attention"] * cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None) or 0
+    want = tuple(window if t == "sliding_attention" else 0 for t in types) if label.endswith("-window") else ()
+    assert info.sliding_windows == want
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    assert (info.num_experts, info.num_experts_per_token) == (experts, getattr(cfg, "num_experts_per_tok", 0) if
+                                                              experts else 0)
+    assert (info.num_layers, info.num_kv_heads, info.head_dim) == (3, 2, model.head_dim)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)

@@ -1091,6 +1091,12 @@ class GenerationModelInfo(_message.Message):
     COMPILED_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_DIM_FIELD_NUMBER: _builtins.int
+    SLIDING_WINDOWS_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name or path given to --model."""
     architecture: _builtins.str
@@ -1122,6 +1128,21 @@ class GenerationModelInfo(_message.Message):
     """Ranks the model is split over (tensor parallelism; 1: one process)."""
     kv_cache_dtype: _builtins.str
     """Element type of the paged KV cache (--kv-cache-dtype; "auto" serves it in dtype), e.g. float16."""
+    num_layers: _builtins.int
+    """KV layout: decoder layers, KV heads (all ranks) and head dim; kv_block_bytes is block_size * 2 (K and V) *
+    num_layers * num_kv_heads * head_dim * the element size of kv_cache_dtype.
+    """
+    num_kv_heads: _builtins.int
+    head_dim: _builtins.int
+    num_experts: _builtins.int
+    """Mixture of experts: experts per MoE layer and experts each token is routed to (both 0 for a dense model)."""
+    num_experts_per_token: _builtins.int
+    @_builtins.property
+    def sliding_windows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per layer, its sliding window in tokens (0: full attention); empty when every layer attends to the whole
+        context.
+        """
+
     def __init__(
         self,
         *,
@@ -1140,10 +1161,16 @@ class GenerationModelInfo(_message.Message):
         compiled: _builtins.bool = ...,
         tensor_parallel_size: _builtins.int = ...,
         kv_cache_dtype: _builtins.str = ...,
+        num_layers: _builtins.int = ...,
+        num_kv_heads: _builtins.int = ...,
+        head_dim: _builtins.int = ...,
+        sliding_windows: _abc.Iterable[_builtins.int] | None = ...,
+        num_experts: _builtins.int = ...,
+        num_experts_per_token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "kv_block_bytes", b"kv_block_bytes", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_kv_blocks", b"num_kv_blocks", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "head_dim", b"head_dim", "kv_block_bytes", b"kv_block_bytes", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_experts", b"num_experts", "num_experts_per_token", b"num_experts_per_token", "num_kv_blocks", b"num_kv_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "sliding_windows", b"sliding_windows", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -42,6 +42,12 @@ class EngineInfo:
     speculative: str | None = None       # the speculative decoding method ("ngram, 4 drafts"); None: off
     kv_cache_dtype: str = "float32"      # the KV cache's element type (--kv-cache-dtype; auto: the model's dtype)
     prefill_attention_dtype: str | None = None   # "bfloat16": prefill SDPA in bf16 (attention.cpu); None: model's
+    num_layers: int = 0                  # decoder layers
+    num_kv_heads: int = 0                # KV heads of the whole model (all tensor-parallel ranks)
+    head_dim: int = 0
+    sliding_windows: tuple[int, ...] = ()   # per layer its window in tokens, 0: full attention; (): no window
+    num_experts: int = 0                 # experts per mixture-of-experts layer (0: dense)
+    num_experts_per_token: int = 0       # top-k routing (0: dense)
 
 
 def eos_token_ids(source: ModelSource, tokenizer) -> frozenset[int]:
@@ -124,8 +130,20 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       prefix_caching=config.enable_prefix_caching, quantization=model.quantization,
                       linear_kernels=model.linear_kernels, speculative=_speculative_summary(config),
-                      **executor.describe())
+                      **_model_shape(model, hf_config), **executor.describe())
     return engine, info
+
+
+def _model_shape(model, hf_config) -> dict:
+    """The :class:`EngineInfo` fields that say what the model is: KV layout, sliding windows, experts."""
+    spec = getattr(model, "spec", None)
+    windows = getattr(spec, "sliding_windows", None)
+    moe = getattr(spec, "moe", None)
+    heads = hf_config.num_attention_heads
+    return dict(num_layers=int(hf_config.num_hidden_layers),
+                num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or heads),
+                head_dim=int(model.head_dim), sliding_windows=tuple(w or 0 for w in windows) if windows else (),
+                num_experts=moe.num_experts if moe else 0, num_experts_per_token=moe.top_k if moe else 0)
 
 
 def _speculative_summary(config: EngineConfig) -> str | None:

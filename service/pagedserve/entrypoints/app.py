@@ -90,7 +90,9 @@ class App:
                           compile_cache=info.compile_cache, cuda_graphs=info.cuda_graphs,
                           quantization=info.quantization, linear_kernels=info.linear_kernels,
                           speculative=info.speculative, kv_cache_dtype=info.kv_cache_dtype,
-                          prefill_attention_dtype=info.prefill_attention_dtype,
+                          prefill_attention_dtype=info.prefill_attention_dtype, architecture=info.architecture,
+                          sliding_windows=sorted({w for w in info.sliding_windows if w}) or None,
+                          num_experts=info.num_experts or None,
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2))
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)

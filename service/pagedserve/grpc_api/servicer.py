@@ -97,7 +97,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 kv_block_bytes=info.kv_block_bytes, attention_backend=info.attention_backend, device=info.device,
                 prefix_caching=info.prefix_caching, quantization=info.quantization,
                 tensor_parallel_size=info.tensor_parallel_size, compiled=info.compiled,
-                kv_cache_dtype=info.kv_cache_dtype))
+                kv_cache_dtype=info.kv_cache_dtype, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                head_dim=info.head_dim, sliding_windows=info.sliding_windows, num_experts=info.num_experts,
+                num_experts_per_token=info.num_experts_per_token))
             fields = pb.KVCacheStats.DESCRIPTOR.fields_by_name  # (the engine's stats hold more, e.g. spec decode)
             resp.kv_cache.CopyFrom(pb.KVCacheStats(**{k: v for k, v in generation.kv_cache_stats().items()
                                                       if k in fields}))
