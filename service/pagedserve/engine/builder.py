@@ -94,10 +94,14 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
 def _max_model_len(config: EngineConfig, hf_config, num_blocks: int, model=None) -> int:
     """The context the engine serves: ``--max-model-len``, or by default the most of the model's
     ``max_position_embeddings``, the KV cache's capacity and the length up to which the model is exact
-    (``model.max_exact_len``: a sliding window or a length-dependent rope type, see
-    :class:`pagedserve.models.decoder.DecoderSpec`). Raises ValueError for a ``--max-model-len`` past any of them
-    (past the exact length naming the config field behind it)."""
+    (``model.max_exact_len``: a length-dependent rope type, see :class:`pagedserve.models.decoder.DecoderSpec`).
+    A model whose every layer has a sliding window holds only its window's blocks (:func:`_kv_sliding_window`), so
+    the cache bounds its context only when it cannot hold one window and one step's tokens. Raises ValueError for a
+    ``--max-model-len`` past any of them (past the exact length naming the config field behind it)."""
     capacity = num_blocks * config.block_size
+    window = _kv_sliding_window(model)
+    if window is not None and capacity >= window + config.max_num_batched_tokens + 2 * config.block_size:
+        capacity = int(hf_config.max_position_embeddings)
     model_max = int(hf_config.max_position_embeddings)
     exact = getattr(model, "max_exact_len", None)
     if config.max_model_len is None:
@@ -121,10 +125,10 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
     num_blocks = executor.determine_num_kv_blocks()
     max_model_len = _max_model_len(config, hf_config, num_blocks, executor.model)
     executor.initialize(num_blocks, max_model_len, compile_sizes)
+    model = executor.model
     engine = LLMEngine(config, executor, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
-                       int(hf_config.vocab_size))
-    model = executor.model
+                       int(hf_config.vocab_size), kv_sliding_window=_kv_sliding_window(model))
     info = EngineInfo(name=config.model or (source.name if source else "custom"),
                       architecture=architecture_of(hf_config), max_model_len=max_model_len,
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
@@ -132,6 +136,15 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
                       linear_kernels=model.linear_kernels, speculative=_speculative_summary(config),
                       **_model_shape(model, hf_config), **executor.describe())
     return engine, info
+
+
+def _kv_sliding_window(model) -> int | None:
+    """The largest window when every layer of ``model`` has a sliding window (blocks behind it can be given back
+    while a request runs), else None: a full-attention layer needs every block of the context."""
+    windows = getattr(getattr(model, "spec", None), "sliding_windows", None)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 def _model_shape(model, hf_config) -> dict:

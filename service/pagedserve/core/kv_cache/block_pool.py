@@ -24,6 +24,13 @@ class KVBlock:
     in_free_queue: bool = False
 
 
+#: Stands in a request's block table for a block it gave back because every layer's sliding window has moved past it
+#: (:meth:`~.manager.KVCacheManager.allocate_slots`). Not a pool block: the pool never counts, frees or hands it out.
+#: Its id, 0, is a real block's, so a kernel that reads the table there reads finite data of another request (masked:
+#: no kernel attends to positions before its window).
+NULL_BLOCK = KVBlock(0, ref_cnt=1)
+
+
 class FreeBlockQueue:
     """Doubly linked list of free blocks in eviction order, with O(1) removal from the middle."""
 
@@ -114,13 +121,18 @@ class BlockPool:
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take one more reference on each block (a prefix-cache hit or a fork); revives free cached blocks."""
         for b in blocks:
+            if b is NULL_BLOCK:
+                continue
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
-        """Drop one reference from each block, in the given order; blocks reaching 0 go to the free queue's tail."""
+        """Drop one reference from each block, in the given order; blocks reaching 0 go to the free queue's tail.
+        :data:`NULL_BLOCK` entries are skipped (as by :meth:`touch`)."""
         for b in blocks:
+            if b is NULL_BLOCK:
+                continue
             if b.ref_cnt <= 0:
                 raise AssertionError(f"double free of KV block {b.block_id}")
             b.ref_cnt -= 1
@@ -137,7 +149,7 @@ class BlockPool:
     def cache_block(self, block: KVBlock, block_hash: bytes, parent_hash: bytes | None,
                     token_ids: tuple[int, ...]) -> None:
         """Record a full block under its chain hash. A hash already cached by another block keeps that one."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is NULL_BLOCK:
             return
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self.cached.setdefault(block_hash, block)

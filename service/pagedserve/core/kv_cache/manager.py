@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 
 from ...request import Request
-from .block_pool import BlockPool, KVBlock
+from .block_pool import NULL_BLOCK, BlockPool, KVBlock
 
 
 def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_key: str | None) -> bytes:
@@ -44,11 +44,21 @@ class KVCacheManager:
         num_blocks: physical blocks.
         block_size: tokens per block.
         enable_prefix_caching: reuse cached full blocks across requests.
+        sliding_window: None, or (every layer of the model having a sliding window) the largest window in tokens:
+            a block whose tokens are all before the window of the step's first query is given back while the
+            request runs (vLLM v1's sliding-window manager), its table entry replaced by :data:`NULL_BLOCK`, so a
+            request holds about ``window / block_size + 1`` blocks plus the step's new tokens, however long it runs.
+            Given-back blocks keep their prefix-cache hash until reused; a later request's hit is the leading run of
+            blocks still cached (a block reused since is a miss from there on, never a wrong hit).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
@@ -134,7 +144,24 @@ class KVCacheManager:
         if num_new_blocks > 0:
             request.blocks.extend(self.pool.allocate(num_new_blocks))
         self._cache_full_blocks(request, total)
+        if self.sliding_window is not None:
+            self._free_behind_window(request)
         return True
+
+    def _free_behind_window(self, request: Request) -> None:
+        """Give back the blocks whose tokens are all before the window of the request's next query (at position
+        ``num_computed_tokens``, which sees keys from ``num_computed_tokens - window + 1`` on)."""
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        blocks = request.blocks
+        for i in range(min(first_needed, len(blocks)) - 1, -1, -1):  # newest first: stop at the first given back
+            if blocks[i] is NULL_BLOCK:
+                break
+            self.pool.free([blocks[i]])
+            blocks[i] = NULL_BLOCK
+
+    def num_blocks_held(self, request: Request) -> int:
+        """Physical blocks in ``request``'s table (entries given back behind a sliding window not counted)."""
+        return sum(1 for b in request.blocks if b is not NULL_BLOCK)
 
     def blocks_to_allocate(self, plan: list[tuple[Request, int]]) -> int:
         """Blocks that :meth:`allocate_slots` (without cached blocks) for each ``(request, num_new_tokens)`` of
@@ -207,7 +234,8 @@ class KVCacheManager:
             del request.blocks[keep:]
 
     def free(self, request: Request) -> None:
-        """Release all of the request's blocks, tail first (shared prefixes are evicted last)."""
+        """Release all of the request's blocks, tail first (shared prefixes are evicted last); entries already given
+        back behind a sliding window are skipped."""
         self.pool.free(list(reversed(request.blocks)))
         request.blocks = []
         request.num_registered_blocks = 0
