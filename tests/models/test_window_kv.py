@@ -52,6 +52,17 @@ def _run(engine, prompts: dict[str, list[int]], max_tokens: int) -> tuple[dict[s
     return out, most
 
 
+def _metrics_text(engine) -> str:
+    """The Prometheus text /metrics would serve for ``engine`` (model name "m")."""
+    from prometheus_client import generate_latest
+
+    from pagedserve.serving.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.model_name, metrics.engine_stats = "m", engine.stats
+    return generate_latest(metrics.registry).decode()
+
+
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     out = list(ids)
     with torch.no_grad():
@@ -72,6 +83,11 @@ def test_a_4096_token_request_holds_only_its_window(windowed):
     out, most = _run(engine, prompts, 8)
     assert most <= -(-(WINDOW - 1 + CHUNK) // BLOCK) + 1
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    # the counter behind /metrics' pagedserve:kv_blocks_freed_behind_window: the long request gave back all but the
+    # last window's blocks of its 257 while it ran (the short one, 3 blocks, at most 1)
+    freed = engine.kv_cache.num_window_freed_blocks
+    assert 257 - 3 <= freed <= 257 + 1 and engine.stats()["kv_blocks_freed_behind_window"] == freed
+    assert f'pagedserve:kv_blocks_freed_behind_window_total{{model_name="m"}} {float(freed)}' in _metrics_text(engine)
     assert out == {rid: _hf_greedy(hf, ids, 8) for rid, ids in prompts.items()}
 
 

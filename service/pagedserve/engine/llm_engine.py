@@ -232,7 +232,8 @@ class LLMEngine:
                 "num_requests_running": len(self.scheduler.running),
                 "num_requests_waiting": self.scheduler.num_waiting, "num_preemptions": self.scheduler.num_preemptions,
                 "spec_decode_num_draft_tokens": drafter.num_draft_tokens if drafter else 0,
-                "spec_decode_num_accepted_tokens": drafter.num_accepted_tokens if drafter else 0}
+                "spec_decode_num_accepted_tokens": drafter.num_accepted_tokens if drafter else 0,
+                "kv_blocks_freed_behind_window": kv.num_window_freed_blocks}
 
     def close(self) -> None:
         """Release the executor (tensor-parallel workers stop) and the grammar threads. Idempotent."""

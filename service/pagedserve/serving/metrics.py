@@ -57,7 +57,9 @@ class _EngineCollector:
                     ("spec_decode_num_draft_tokens", "Speculative draft tokens verified by the target model.",
                      stats.get("spec_decode_num_draft_tokens", 0)),
                     ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
-                     stats.get("spec_decode_num_accepted_tokens", 0))]
+                     stats.get("spec_decode_num_accepted_tokens", 0)),
+                    ("kv_blocks_freed_behind_window", "KV blocks given back while their request ran because every "
+                     "layer's sliding window had moved past them.", stats.get("kv_blocks_freed_behind_window", 0))]
         for name, doc, value in counters:
             family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             family.add_metric([model], float(value))

@@ -59,6 +59,7 @@ class KVCacheManager:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
         self.sliding_window = sliding_window
+        self.num_window_freed_blocks = 0  # blocks given back behind a sliding window since start-up
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
@@ -158,6 +159,7 @@ class KVCacheManager:
                 break
             self.pool.free([blocks[i]])
             blocks[i] = NULL_BLOCK
+            self.num_window_freed_blocks += 1
 
     def num_blocks_held(self, request: Request) -> int:
         """Physical blocks in ``request``'s table (entries given back behind a sliding window not counted)."""
