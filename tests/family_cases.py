@@ -59,6 +59,15 @@ def hf_config(label: str, **more):
     return getattr(transformers, cls)(**kw)
 
 
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of HF model ``hf`` after ``ids``, each from a full forward (the oracle of the engine's)."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
 def save_random_checkpoint(cfg, path, train_steps: int = 0) -> torch.nn.Module:
     """HF's own model of ``cfg`` with seeded random weights (then ``train_steps`` of :func:`train_briefly`), saved to
     ``path``; returns it (eval mode)."""

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from family_cases import FAMILIES, hf_config, save_random_checkpoint
+from family_cases import FAMILIES, hf_config, hf_greedy, save_random_checkpoint
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -63,13 +63,6 @@ def test_prefill_logits_match_transformers(family, backend):
         assert (full - ref).abs().max() > 0.5
 
 
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
-
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_greedy_through_engine_matches_transformers(family, backend):
@@ -105,7 +98,7 @@ def test_greedy_through_engine_matches_transformers(family, backend):
     while engine.has_unfinished():
         for delta in engine.step():
             out[delta.request_id] += delta.token_ids
-    assert out == {f"r{i}": _hf_greedy(hf, ids, max_tokens) for i, ids in enumerate(prompts)}
+    assert out == {f"r{i}": hf_greedy(hf, ids, max_tokens) for i, ids in enumerate(prompts)}
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from family_cases import hf_config, save_random_checkpoint
+from family_cases import hf_config, hf_greedy, save_random_checkpoint
 
 WINDOW, BLOCK, CHUNK = 24, 16, 64
 
@@ -63,13 +63,6 @@ def _metrics_text(engine) -> str:
     return generate_latest(metrics.registry).decode()
 
 
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(ids):]
-
 
 def test_a_4096_token_request_holds_only_its_window(windowed):
     """A 4,096-token prompt (64-token chunks) and 8 generated tokens, beside a short request: at every step a
@@ -88,7 +81,7 @@ def test_a_4096_token_request_holds_only_its_window(windowed):
     freed = engine.kv_cache.num_window_freed_blocks
     assert 257 - 3 <= freed <= 257 + 1 and engine.stats()["kv_blocks_freed_behind_window"] == freed
     assert f'pagedserve:kv_blocks_freed_behind_window_total{{model_name="m"}} {float(freed)}' in _metrics_text(engine)
-    assert out == {rid: _hf_greedy(hf, ids, 8) for rid, ids in prompts.items()}
+    assert out == {rid: hf_greedy(hf, ids, 8) for rid, ids in prompts.items()}
 
 
 def test_prefix_cache_hits_and_misses_stay_exact(windowed):
