@@ -39,6 +39,16 @@ FAMILIES = {
         "sliding_attention", "full_attention", "sliding_attention"]), "Qwen3ForCausalLM"),
     "phi3-window": ("Phi3Config", dict(partial_rotary_factor=0.75, sliding_window=33, head_dim=None),
                     "Phi3ForCausalLM"),
+    # Gemma 2: soft-capped scores and logits, alternating windows; Gemma 3: q/k norm, local rope base, windows
+    "gemma2": ("Gemma2Config", dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=8.0), "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=20, query_pre_attn_scalar=16, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}), "Gemma3ForCausalLM"),
+    "gpt-oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=22, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 128, "rope_theta": 150000.0}), "GptOssForCausalLM"),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
                 "MixtralForCausalLM"),
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,

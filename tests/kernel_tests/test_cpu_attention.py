@@ -39,6 +39,29 @@ def test_matches_reference_backend(case, window):
     assert (got - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_softcap_and_sinks_match_reference_backend(case, window):
+    """Gemma 2's soft-capped scores and gpt-oss's sink logits, alone and together: the C++ decode rows and the
+    reference's prefill rows against the reference backend."""
+    ctx, qlens, h, hkv, d, bs = CASES[case]
+    num_blocks = sum(-(-c // bs) for c in ctx) + 3
+    meta = make_meta(ctx, qlens, bs, num_blocks, "cpu", seed=case)
+    gen = torch.Generator().manual_seed(case)
+    caches = [torch.randn(num_blocks, bs, hkv, d, generator=gen) for _ in range(2)]
+    q, k, v = random_qkv(sum(qlens), h, hkv, d, torch.float32, "cpu", seed=case)
+    sinks = torch.randn(h, generator=gen) * 2
+    for softcap, sink in ((1.5, None), (None, sinks), (0.7, sinks)):
+        ref_caches, got_caches = [c.clone() for c in caches], [c.clone() for c in caches]
+        ref = TorchAttentionBackend().forward(q, k, v, *ref_caches, meta, d ** -0.5, window, softcap=softcap,
+                                              sinks=sink)
+        plain = TorchAttentionBackend().forward(q, k, v, *[c.clone() for c in caches], meta, d ** -0.5, window)
+        got = CpuAttentionBackend().forward(q, k, v, *got_caches, meta, d ** -0.5, window, softcap=softcap,
+                                            sinks=sink)
+        assert (got - ref).abs().max().item() < 1e-5, (softcap, sink is not None)
+        assert (plain - ref).abs().max().item() > 1e-2   # the options change the result
+
+
 SPLIT_CASES = [  # (context lens, heads, kv heads, head_dim, block size, cache dtype)
     ([1000], 9, 3, 64, 16, torch.float32),          # one long request (the one-stream case): 4+ splits
     ([700, 37], 9, 3, 64, 16, torch.float32),       # unequal lengths: the short one's later splits are empty
@@ -62,22 +85,34 @@ def test_decode_kernel_context_splits_match_float64(case):
     q = torch.randn(len(ctx), h, d, generator=gen) * 2
     lens = torch.tensor(ctx, dtype=torch.int32)
     op = torch.ops.pagedserve_cpu.paged_decode_attention
-    for window in (0, 1, 100, 333):   # 0: no window; else the last `window` rows of each context
+    sinks = torch.randn(h, generator=gen) * 3
+    for window, softcap, sink in ((0, 0.0, None), (1, 0.0, None), (100, 0.0, None), (333, 0.0, None),
+                                  (0, 2.0, None), (0, 0.0, sinks), (100, 2.0, sinks)):
+        # window 0: no window, else the last `window` rows; softcap 0: none; sink: gpt-oss's per-head sink logit
         want = torch.empty(len(ctx), h, d, dtype=torch.float64)
         for s, n in enumerate(ctx):
             rows = tables[s].long()
             first = max(0, n - window) if window else 0
             k = k_cache[rows].reshape(-1, hkv, d)[first:n].double().repeat_interleave(h // hkv, dim=1)   # [n, h, d]
             v = v_cache[rows].reshape(-1, hkv, d)[first:n].double().repeat_interleave(h // hkv, dim=1)
-            p = torch.softmax(torch.einsum("hd,nhd->hn", q[s].double(), k) * d ** -0.5, dim=-1)
+            scores = torch.einsum("hd,nhd->hn", q[s].double(), k) * d ** -0.5
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            if sink is not None:
+                scores = torch.cat([scores, sink.double()[:, None]], dim=1)
+            p = torch.softmax(scores, dim=-1)[:, :n - first]
             want[s] = torch.einsum("hn,nhd->hd", p, v)
         for max_splits in (0, 1, 3, 7):
-            got = op(q, k_cache, v_cache, tables, lens, d ** -0.5, max_splits, window)
-            assert (got.double() - want).abs().max().item() < 2e-5, (max_splits, window)
+            got = op(q, k_cache, v_cache, tables, lens, d ** -0.5, max_splits, window, softcap, sink)
+            assert (got.double() - want).abs().max().item() < 2e-5, (max_splits, window, softcap, sink is not None)
     with pytest.raises(RuntimeError, match="sliding_window must be >= 0"):
         op(q, k_cache, v_cache, tables, lens, 1.0, 0, -1)
     with pytest.raises(RuntimeError, match="max_splits must be >= 0"):
         op(q, k_cache, v_cache, tables, lens, 1.0, -1)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        op(q, k_cache, v_cache, tables, lens, 1.0, 0, 0, -1.0)
+    with pytest.raises(RuntimeError, match="sinks must be contiguous float32"):
+        op(q, k_cache, v_cache, tables, lens, 1.0, 0, 0, 0.0, torch.zeros(h + 1))
 
 
 def test_auto_picks_cpu_backend_and_torch_stays_reference():

@@ -71,6 +71,9 @@ class AttentionBackend(abc.ABC):
     #: Whether :meth:`forward` can be captured in a CUDA graph for decode-only steps: with
     #: ``meta.fixed_context_capacity`` set it reads no host-side per-step value and synchronizes nothing.
     supports_cuda_graphs: bool = False
+    #: What :meth:`forward` runs beyond plain causal attention: ``"sliding_window"``, ``"softcap"``, ``"sinks"``.
+    #: A model asking for one its backend lacks is refused when the engine is built (:func:`check_features`).
+    features: frozenset = frozenset({"sliding_window", "softcap", "sinks"})
     #: The model's elementwise layers (RMSNorm, rotary embedding, SiLU-and-mul) that run with this backend.
     elementwise: ops.ElementwiseOps = ops.TORCH_OPS
 
@@ -85,6 +88,9 @@ class AttentionBackend(abc.ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``key``/``value`` into the cache at ``meta.slot_mapping``, then attend.
 
@@ -97,13 +103,20 @@ class AttentionBackend(abc.ABC):
             sliding_window: None (every key of the context), or ``W >= 1``: the query at absolute position ``p``
                 sees the keys at positions ``p - W + 1 .. p`` only (Mistral's sliding-window attention, Jiang et al.
                 2023; transformers' ``sliding_window`` semantics). The cache still holds the whole context.
+            softcap: None, or ``c > 0``: each scaled score ``s`` becomes ``c * tanh(s / c)`` before the softmax
+                (Gemma 2's ``attn_logit_softcapping``).
+            sinks: None, or ``[num_heads]`` float32: one more logit per head in the softmax's denominator, with no
+                value row (gpt-oss's attention sinks; :func:`~pagedserve.attention.torch_ref.softmax_attention`).
 
         Returns:
             ``[T, num_heads, head_dim]``, same dtype as query. GQA: query head ``h`` reads KV head
             ``h // (num_heads // num_kv_heads)``.
 
         Raises:
-            ValueError: on a dtype, shape or device mismatch, or a ``sliding_window`` below 1.
+            ValueError: on a dtype, shape or device mismatch, a ``sliding_window`` below 1, a ``softcap`` not
+                above 0 or ``sinks`` not ``[num_heads]``.
+            NotImplementedError: a backend that does not run ``softcap`` / ``sinks`` (the CUDA kernels, today);
+                the engine's build refuses such a pairing first (:func:`check_features`).
         """
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -121,3 +134,20 @@ class AttentionBackend(abc.ABC):
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
+
+
+def check_features(backend: AttentionBackend, needs: dict[str, str]) -> None:
+    """Refuse a model whose attention needs what ``backend`` does not run.
+
+    Args:
+        needs: feature (``"softcap"``, ``"sinks"``, ``"sliding_window"``) -> the config field asking for it, as
+            ``"attn_logit_softcapping=50.0"`` (the model's ``attention_features()``).
+
+    Raises:
+        ValueError: naming the config field and the backend (``--attention-backend torch`` or ``cpu`` runs every
+            feature).
+    """
+    for feature, field in needs.items():
+        if feature not in backend.features:
+            raise ValueError(f"{field}: the {backend.name!r} attention backend does not run {feature} "
+                             f"(use --attention-backend torch or cpu)")

@@ -6,7 +6,8 @@ gather of every block into a buffer followed by a masked SDPA per group, which a
 contexts copies about 440 MB of K/V per step. Prefill chunks keep the reference path (torch's CPU flash kernel).
 float32 queries with a float32, float16 or bfloat16 cache (``--kv-cache-dtype``: rows rounded when written, widened
 exactly when read); other dtypes, and a CPU where the kernels do not load, get the reference path throughout.
-The model's RMSNorm, rotary embedding and SwiGLU run on the C++ elementwise kernels
+Soft-capping and attention sinks run in the C++ decode kernel too; prefill chunks with them take the reference's
+float32 math path (:func:`~.torch_ref.softmax_attention`). The model's RMSNorm, rotary embedding and SwiGLU run on the C++ elementwise kernels
 (:data:`pagedserve.kernels.cpu_elementwise.CPU_OPS`, reference fallback likewise).
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..kernels.cpu_build import cpu_kernel_ops
 from ..kernels.cpu_elementwise import CPU_OPS
 from ..kernels.checks import check_sliding_window
 from .base import AttentionMetadata
-from .torch_ref import TorchAttentionBackend, paged_attention_ref
+from .torch_ref import TorchAttentionBackend, check_softcap_sinks, paged_attention_ref
 
 
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # what the C++ kernels read and write (F16C)
@@ -45,17 +46,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self.prefill_dtype = prefill_dtype
 
-    def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None):
+    def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, *,
+                softcap=None, sinks=None):
         nd = meta.num_decode_seqs
         if nd == 0 or query.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or query.shape[-1] % 8 or \
                 query.device.type != "cpu":
-            return super().forward(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+            return super().forward(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap,
+                                   sinks=sinks)
         window = check_sliding_window(sliding_window)
+        check_softcap_sinks(softcap, sinks, query.shape[1])
         self._check_kv(query, key, value, k_cache)
         torch.ops.pagedserve_cpu.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         decode = torch.ops.pagedserve_cpu.paged_decode_attention(
             query[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd].contiguous(), meta.context_lens[:nd],
-            float(scale), 0, window)
+            float(scale), 0, window, float(softcap or 0.0), None if sinks is None else sinks.float().contiguous())
         if nd == meta.num_seqs:
             if query.shape[0] == nd:
                 return decode
@@ -63,7 +67,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[:nd] = decode
             return out
         out = paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]), key,
-                                  value, self._workspace, self.prefill_dtype, sliding_window, decodes=False)
+                                  value, self._workspace, self.prefill_dtype, sliding_window, decodes=False,
+                                  softcap=softcap, sinks=sinks)
         out[:nd] = decode
         return out
 

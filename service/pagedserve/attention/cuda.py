@@ -24,6 +24,7 @@ class CudaAttentionBackend(AttentionBackend):
     name = "cuda"
     supports_cuda_graphs = True  # fixed-grid decode plan under meta.fixed_context_capacity; no host reads
     elementwise = kernels.CUDA_OPS  # fused RMSNorm + residual, rotary, SiLU-and-mul from cuda/elementwise.cu
+    features = frozenset({"sliding_window"})   # no soft-capping or sinks in cuda/ yet
 
     def __init__(self) -> None:
         self._plan_meta: AttentionMetadata | None = None
@@ -47,12 +48,16 @@ class CudaAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, *, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`. Returns a new contiguous ``[T, num_heads, head_dim]``.
 
         Raises:
             ValueError: on a dtype, shape, stride or device mismatch (before any kernel runs).
+            NotImplementedError: ``softcap`` or ``sinks`` (not in the kernels of ``cuda/`` yet).
         """
+        if softcap is not None or sinks is not None:
+            raise NotImplementedError("softcap / sinks: the CUDA attention kernels do not run them yet")
         if query.dim() != 3 or key.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
             raise ValueError(f"query/key/value: bad shapes {tuple(query.shape)}, {tuple(key.shape)}, "
                              f"{tuple(value.shape)}")

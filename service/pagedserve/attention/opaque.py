@@ -2,7 +2,7 @@
 
 Dynamo cannot trace the attention backends (host loops over sequences, per-step plans, CuPy kernels) and must not
 specialize on a step's metadata, so the compiled forward calls ``torch.ops.pagedserve.paged_attention(query, key,
-value, layer_idx, scale, sliding_window)`` instead: an opaque node whose only graph inputs are the layer's Q/K/V. The step's
+value, layer_idx, scale, sliding_window, softcap, sinks)`` instead: an opaque node whose only graph inputs are the layer's Q/K/V. The step's
 metadata, the KV caches and the backend are taken from the :func:`step_context` the model runner enters around the
 call (vLLM's "forward context" does the same for its unified attention op).
 
@@ -57,7 +57,8 @@ def current_step() -> StepContext:
 
 @torch.library.custom_op("pagedserve::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                    scale: float, sliding_window: int = 0) -> torch.Tensor:
+                    scale: float, sliding_window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``key``/``value`` into layer ``layer_idx``'s paged cache and attend (see
     :meth:`~pagedserve.attention.base.AttentionBackend.forward`), with the current :func:`step_context`.
 
@@ -67,6 +68,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         layer_idx: index into the context's ``kv_caches``.
         scale: softmax scale.
         sliding_window: the layer's window in tokens, 0 for full attention.
+        softcap: the layer's score soft-cap, 0 for none. sinks: None, or its ``[num_heads]`` sink logits.
 
     Returns:
         ``[T_pad, num_heads, head_dim]``, query's dtype; padded rows are zero.
@@ -76,12 +78,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     ctx = current_step()
     k_cache, v_cache = ctx.kv_caches[layer_idx]
-    out = ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale, sliding_window or None)
+    out = ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale, sliding_window or None,
+                              softcap=softcap or None, sinks=sinks)
     if ctx.num_tokens < out.shape[0]:
         out[ctx.num_tokens:].zero_()
     return out
 
 
 @paged_attention.register_fake
-def _paged_attention_fake(query, key, value, layer_idx, scale, sliding_window=0):
+def _paged_attention_fake(query, key, value, layer_idx, scale, sliding_window=0, softcap=0.0, sinks=None):
     return torch.empty_like(query)

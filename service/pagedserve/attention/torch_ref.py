@@ -4,7 +4,8 @@ Semantics are those of :class:`pagedserve.attention.base.AttentionBackend`. Deco
 batched SDPA over K/V gathered through the block tables, in groups of similar context length; prefill chunks run
 one sequence at a time with a causal mask offset by the cached prefix length (plain ``is_causal`` over the new rows
 when there is no cached prefix). A sliding window narrows both masks to the window's keys; a prefill chunk then
-reads only the keys from its first row's window start on.
+reads only the keys from its first row's window start on. Soft-capped scores (Gemma 2) and attention sinks
+(gpt-oss), which SDPA does not take, run the same groups and chunks through :func:`softmax_attention`.
 """
 from __future__ import annotations
 
@@ -172,11 +173,80 @@ def plan_step(meta: AttentionMetadata, block_size: int) -> StepPlan:
     return StepPlan(groups, masks, starts, meta)
 
 
+#: query rows of one prefill chunk scored at once by :func:`softmax_attention` (bounds its float32 score matrix)
+MATH_QUERY_ROWS = 256
+
+
+def check_softcap_sinks(softcap: float | None, sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Raises ValueError: ``softcap`` not None and not > 0, or ``sinks`` not a ``[num_heads]`` float tensor."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and softcap > 0):
+        raise ValueError(f"softcap: {softcap!r} must be None or a number > 0")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,)
+                              or not sinks.dtype.is_floating_point):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks: expected a float tensor [{num_heads}] (one logit per query head), got {shape}")
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention written out in float32, for what SDPA does not take.
+
+    ``scores = scale * q k^T``; with ``softcap`` c, ``c * tanh(scores / c)`` (Gemma 2, Gemma Team 2024; HF
+    transformers' ``eager_attention_forward`` of ``Gemma2Attention``); masked keys get -inf; with ``sinks``, one more
+    logit per row that joins the softmax's denominator and is dropped after it (gpt-oss's attention sinks, HF
+    ``GptOssAttention``; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks").
+
+    Args:
+        q: ``[B, Hkv, R, D]``: R query rows per KV head (GQA's query heads folded into the rows).
+        k, v: ``[B, Hkv, S, D]``.
+        mask: bool, broadcastable to ``[B, Hkv, R, S]``, True where a key is seen.
+        sinks: None, or float32 broadcastable to ``[B, Hkv, R, 1]`` (each row's head's sink logit).
+
+    Returns:
+        ``[B, Hkv, R, D]`` float32.
+    """
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float())
+
+
+def _prefill_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One prefill chunk through :func:`softmax_attention`: ``q`` ``[L, H, D]``, ``k``/``v`` ``[S, Hkv, D]``, ``mask``
+    ``[L, S]`` (None: causal, L == S); returns ``[L, H, D]`` float32, :data:`MATH_QUERY_ROWS` rows at a time."""
+    L, H, D = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    G = H // Hkv
+    if mask is None:
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+    kt, vt = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]            # [1, Hkv, S, D]
+    sink = None if sinks is None else sinks.float().view(1, Hkv, G, 1, 1)
+    out = torch.empty(L, H, D, dtype=torch.float32, device=q.device)
+    for a in range(0, L, MATH_QUERY_ROWS):
+        b = min(L, a + MATH_QUERY_ROWS)
+        n = b - a
+        qc = q[a:b].permute(1, 0, 2).reshape(1, Hkv, G * n, D)             # rows: head g of KV head j, then row
+        mc = mask[a:b][None, None].expand(1, G, n, S).reshape(1, 1, G * n, S)
+        sc = None if sink is None else sink.expand(1, Hkv, G, n, 1).reshape(1, Hkv, G * n, 1)
+        o = softmax_attention(qc, kt, vt, mc, scale, softcap, sc)          # [1, Hkv, G * n, D]
+        out[a:b] = o.view(H, n, D).transpose(0, 1)
+    return out
+
+
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, plan: StepPlan | None = None,
                         key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                         workspace: Workspace | None = None, prefill_dtype: torch.dtype | None = None,
-                        sliding_window: int | None = None, decodes: bool = True) -> torch.Tensor:
+                        sliding_window: int | None = None, decodes: bool = True, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over their paged contexts (no cache write).
 
     Args:
@@ -195,6 +265,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             (:meth:`~pagedserve.attention.base.AttentionBackend.forward`).
         decodes: False leaves the decode rows of ``out`` unwritten (uninitialized), for a caller that computes
             them itself.
+        softcap: None, or Gemma 2's soft-cap of the scaled scores (``c * tanh(s / c)``).
+        sinks: None, or ``[num_heads]`` float: gpt-oss's per-head sink logits (:func:`softmax_attention`).
 
     Returns:
         ``[T, num_heads, head_dim]``, query's dtype. Softmax is computed in fp32 for fp16/bf16 inputs on CUDA; the
@@ -205,6 +277,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     decode_masks, prefill_masks = plan.window_masks(check_sliding_window(sliding_window) or None)
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    check_softcap_sinks(softcap, sinks, num_heads)
+    math = softcap is not None or sinks is not None
     gqa = num_heads != num_kv_heads
     upcast = query.dtype in (torch.float16, torch.bfloat16) and query.device.type != "cpu"
     compute_dtype = torch.float32 if upcast else query.dtype
@@ -222,8 +296,12 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         # GQA folded into the query length: the H / Hkv query heads of a KV head are its "query rows"
         # [n, Hkv, H / Hkv, D] (query head h reads KV head h // (H / Hkv)), so no K/V head is repeated.
         q = query[g.start:g.end].reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype),
-                                           attn_mask=mask, scale=scale)
+        if math:
+            sink = None if sinks is None else sinks.float().view(1, num_kv_heads, -1, 1)
+            o = softmax_attention(q, k, v, mask, scale, softcap, sink)
+        else:
+            o = F.scaled_dot_product_attention(q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype),
+                                               attn_mask=mask, scale=scale)
         out[g.start:g.end] = o.reshape(n, num_heads, head_dim).to(out.dtype)
     nd, starts = meta.num_decode_seqs, plan.query_starts
     for i in range(nd, meta.num_seqs):
@@ -235,6 +313,9 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         else:
             k = gather_kv(k_cache, meta.block_tables[i], ctx_len)[first:]
             v = gather_kv(v_cache, meta.block_tables[i], ctx_len)[first:]
+        if math:
+            out[a:b] = _prefill_math(query[a:b], k, v, mask, scale, softcap, sinks).to(query.dtype)
+            continue
         # 4-D inputs: torch's CPU flash kernel takes only those (3-D ones fall back to the unfused math path).
         dtype = prefill_dtype if prefill_dtype is not None and query.dtype == torch.float32 else compute_dtype
         o = F.scaled_dot_product_attention(
@@ -258,10 +339,12 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan_meta: AttentionMetadata | None = None
         self._workspace = Workspace()
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, sliding_window=None):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, sliding_window=None, *, softcap=None,
+                sinks=None):
         self._write_kv(query, key, value, k_cache, v_cache, meta)
         return paged_attention_ref(query, k_cache, v_cache, meta, scale, self._step_plan(meta, k_cache.shape[1]),
-                                   key, value, self._workspace, self.prefill_dtype, sliding_window)
+                                   key, value, self._workspace, self.prefill_dtype, sliding_window,
+                                   softcap=softcap, sinks=sinks)
 
     @staticmethod
     def _check_kv(query, key, value, k_cache) -> None:

@@ -84,6 +84,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU activation (Shazeer 2020) with the tanh approximation of GELU (Gemma's ``gelu_pytorch_tanh``): ``x``
+    ``[T, 2 * d]`` holding gate then up; returns ``gelu_tanh(gate) * up``, ``[T, d]``."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 @dataclass(frozen=True, slots=True)
 class ElementwiseOps:
     """One implementation of the model's elementwise layers. The attention backend carries the set that runs with
@@ -98,6 +105,8 @@ class ElementwiseOps:
     rotary_embedding: Callable[..., torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     traceable: bool = True
+    #: GeGLU; every set runs the torch reference (no kernel of ours yet)
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
 
 
 TORCH_OPS = ElementwiseOps("torch", rms_norm, rotary_embedding, silu_and_mul)

@@ -55,6 +55,12 @@ class DecoderAttention(nn.Module):
         #: keys this layer's queries see, counting their own (None: the whole context)
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
         self.qk_norm, self.eps = spec.qk_norm, cfg.rms_norm_eps
+        self.softcap = spec.attn_softcap
+        if spec.attention_sinks:
+            if tp.size > 1:
+                raise UnsupportedConfig("tensor_parallel_size: attention sinks (gpt-oss) run at tensor-parallel "
+                                        "size 1 only")
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.qkv_proj = layers.qkv_linear(cfg.hidden_size, total_heads, total_kv_heads, self.head_dim,
                                           spec.qkv_bias, tp)
         self.o_proj = layers.row_linear(total_heads * self.head_dim, cfg.hidden_size, spec.o_bias, tp)
@@ -96,10 +102,13 @@ class DecoderAttention(nn.Module):
         qk = self._qk(positions, qkv, backend.elementwise, cos_sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].reshape(T, self.num_kv_heads, self.head_dim)
+        sinks = getattr(self, "sinks", None)
         if meta is None:  # compiled forward: attention + KV write as one opaque op reading the step context
-            out = torch.ops.pagedserve.paged_attention(q, k, v, self.layer_idx, self.scale, self.sliding_window or 0)
+            out = torch.ops.pagedserve.paged_attention(q, k, v, self.layer_idx, self.scale, self.sliding_window or 0,
+                                                       self.softcap or 0.0, sinks)
         else:
-            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                  softcap=self.softcap, sinks=sinks)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -108,9 +117,11 @@ class DecoderMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = layers.merged_column_linear(cfg.hidden_size, cfg.intermediate_size, 2, spec.mlp_bias, tp)
         self.down_proj = layers.row_linear(cfg.intermediate_size, cfg.hidden_size, spec.mlp_bias, tp)
+        self.gelu = spec.mlp_act == "gelu_tanh"
 
     def forward(self, x, elementwise: ops.ElementwiseOps = ops.TORCH_OPS):
-        return self.down_proj(elementwise.silu_and_mul(self.gate_up_proj(x)))
+        act = elementwise.gelu_tanh_and_mul if self.gelu else elementwise.silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -120,8 +131,13 @@ class DecoderLayer(nn.Module):
         sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
         self.mlp = SparseMoeBlock(cfg.hidden_size, spec.moe, tp) if sparse else DecoderMLP(cfg, spec, tp)
         self.eps, self.post_norms = cfg.rms_norm_eps, spec.norm_layout == "post"
+        self.sandwich = spec.norm_layout == "sandwich"
         self.residual_multiplier = spec.residual_multiplier
-        if self.post_norms:
+        if self.sandwich:
+            for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"):
+                setattr(self, name, nn.Parameter(torch.ones(cfg.hidden_size)))
+        elif self.post_norms:
             self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
             self.post_feedforward_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         else:
@@ -135,6 +151,13 @@ class DecoderLayer(nn.Module):
             hidden = hidden + ew.rms_norm(h, self.post_attention_layernorm, self.eps)[0]
             h = self.mlp(hidden, ew)
             return hidden + ew.rms_norm(h, self.post_feedforward_layernorm, self.eps)[0], None
+        if self.sandwich:  # Gemma: h = x + post(attn(in(x))); out = h + post_ff(mlp(pre_ff(h)))
+            h, residual = ew.rms_norm(hidden, self.input_layernorm, self.eps, residual)
+            h = self.self_attn(positions, h, kv_cache, meta, backend, cos_sin)
+            h = ew.rms_norm(h, self.post_attention_layernorm, self.eps)[0]
+            h, residual = ew.rms_norm(h, self.pre_feedforward_layernorm, self.eps, residual)
+            h = self.mlp(h, ew)
+            return ew.rms_norm(h, self.post_feedforward_layernorm, self.eps)[0], residual
         m = self.residual_multiplier
         h, residual = ew.rms_norm(hidden, self.input_layernorm, self.eps, residual)
         h = self.self_attn(positions, h, kv_cache, meta, backend, cos_sin)
@@ -166,8 +189,9 @@ class DecoderForCausalLM(nn.Module):
         """The options of ``cfg``: :meth:`family_spec` under what every family shares (the MLP is SwiGLU; in a
         family with :attr:`sliding_window_attention`, each layer's window from :func:`~.config_checks.layer_windows`
         unless the family set them)."""
-        require(cfg, "hidden_act", ("silu",), "the MLP runs SwiGLU")
         spec = cls.family_spec(cfg)
+        if spec.mlp_act == "silu":
+            require(cfg, "hidden_act", ("silu",), "the MLP runs SwiGLU")
         if cls.sliding_window_attention and spec.sliding_windows is None:
             spec = replace(spec, sliding_windows=layer_windows(cfg))
         return spec
@@ -182,17 +206,19 @@ class DecoderForCausalLM(nn.Module):
         spec = self.spec_of(cfg)
         self.config, self.tp, self.spec = cfg, tp, spec
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rope_params = rope_parameters(cfg)
+        sets, self.layer_rope = self.rope_parameter_sets(cfg)
+        self.rope_params, self.extra_rope_params = sets[0], list(sets[1:])
         self.rotary_dim = rotary_dim_of(cfg, head_dim, self.rope_params)
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise UnsupportedConfig(f"partial_rotary_factor gives {self.rotary_dim} rotary features per head; "
                                     f"it must be even and positive")
         # validates the rope parameters before any weight is read (under build_model's meta device: no data)
-        _, _, exact = inv_freq_and_factor(self.rope_params, self.rotary_dim, cfg.max_position_embeddings)
-        if exact is not None:
-            kind = self.rope_params.get("rope_type")
-            spec = self.spec = spec.capped(exact, f"rope_parameters.rope_type={kind!r} (transformers changes its "
-                                                  f"frequencies past {exact} tokens)")
+        for params in sets:
+            _, _, exact = inv_freq_and_factor(params, self.rotary_dim, cfg.max_position_embeddings)
+            if exact is not None:
+                kind = params.get("rope_type")
+                spec = self.spec = spec.capped(exact, f"rope_parameters.rope_type={kind!r} (transformers changes "
+                                                      f"its frequencies past {exact} tokens)")
         self.max_exact_len, self.max_exact_len_reason = spec.max_exact_len, spec.max_exact_len_reason
         self.embed_tokens = layers.vocab_embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec, i, self.rotary_dim, tp)
@@ -211,6 +237,8 @@ class DecoderForCausalLM(nn.Module):
         self.linear_kernels = "torch"  # whose kernels run the linears; models.registry sets "pagedserve-cpu"
         self.fused_decode = None  # a .fused_decode.FusedDecode when cpu_linear.use_vnni made one (decode steps in C++)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        for i in range(len(self.extra_rope_params)):
+            self.register_buffer(f"cos_sin_cache_{i + 1}", torch.empty(0), persistent=False)
         if not self.norm.is_meta:  # under a meta device, build_model calls this after to_empty()
             self.reset_rotary_cache()
 
@@ -221,7 +249,27 @@ class DecoderForCausalLM(nn.Module):
         s = self.spec
         return (s.qk_norm == "none" and s.norm_layout == "pre" and s.rope_layers is None and s.moe is None
                 and s.embedding_multiplier == 1.0 and s.residual_multiplier == 1.0 and s.logits_scaling == 1.0
-                and s.attention_multiplier is None and self.rotary_dim == self.head_dim)
+                and s.attention_multiplier is None and self.rotary_dim == self.head_dim and s.mlp_act == "silu"
+                and s.attn_softcap is None and s.final_softcap is None and not s.attention_sinks
+                and not self.extra_rope_params)
+
+    def attention_features(self) -> dict[str, str]:
+        """What the attention layers need of the backend beyond causal attention, each with the config field
+        asking for it (:func:`~pagedserve.attention.base.check_features` refuses a backend lacking one)."""
+        s, cfg, needs = self.spec, self.config, {}
+        if s.sliding_windows and any(s.sliding_windows):
+            needs["sliding_window"] = f"sliding_window={getattr(cfg, 'sliding_window', None)!r}"
+        if s.attn_softcap is not None:
+            needs["softcap"] = f"attn_logit_softcapping={s.attn_softcap!r}"
+        if s.attention_sinks:
+            needs["sinks"] = f"model_type={getattr(cfg, 'model_type', '')!r} (attention sinks)"
+        return needs
+
+    @classmethod
+    def rope_parameter_sets(cls, cfg) -> tuple[list[dict], tuple[int, ...] | None]:
+        """``(rope parameter dicts, per layer the index of its dict or None: all use the first)``. One set
+        (:func:`~.rope.rope_parameters`) unless a family's layers rotate differently (Gemma 3's local layers)."""
+        return [rope_parameters(cfg)], None
 
     @property
     def host_sync_reason(self) -> str | None:
@@ -240,8 +288,18 @@ class DecoderForCausalLM(nn.Module):
     def reset_rotary_cache(self) -> None:
         """(Re)build the fp32 ``[max_position_embeddings, rotary_dim]`` rotary table (:mod:`.rope`) on the model's
         device."""
-        self.cos_sin_cache = rope_table(self.rope_params, self.rotary_dim, self.config.max_position_embeddings,
-                                        self.norm.device)
+        n = self.config.max_position_embeddings
+        self.cos_sin_cache = rope_table(self.rope_params, self.rotary_dim, n, self.norm.device)
+        for i, params in enumerate(self.extra_rope_params):
+            setattr(self, f"cos_sin_cache_{i + 1}", rope_table(params, self.rotary_dim, n, self.norm.device))
+
+    def _rope_tables(self) -> list[torch.Tensor]:
+        """Each layer's rotary table."""
+        if self.layer_rope is None:
+            return [self.cos_sin_cache] * self.num_layers
+        tables = [self.cos_sin_cache] + [getattr(self, f"cos_sin_cache_{i + 1}")
+                                         for i in range(len(self.extra_rope_params))]
+        return [tables[i] for i in self.layer_rope]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -268,15 +326,15 @@ class DecoderForCausalLM(nn.Module):
         if self.spec.embedding_multiplier != 1.0:
             hidden = hidden * self.spec.embedding_multiplier
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv, meta, backend, self.cos_sin_cache)
+        for layer, kv, cos_sin in zip(self.layers, kv_caches, self._rope_tables()):
+            hidden, residual = layer(positions, hidden, residual, kv, meta, backend, cos_sin)
         hidden, _ = backend.elementwise.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab_size]`` float32 logits (a quantized LM head when the weights are), divided
-        by the spec's ``logits_scaling``. Under tensor parallelism every rank must call it; rank 0 gets the gathered
-        logits, the others None."""
+        by the spec's ``logits_scaling`` and soft-capped by its ``final_softcap``. Under tensor parallelism every
+        rank must call it; rank 0 gets the gathered logits, the others None."""
         if self.tp.size > 1:
             logits = self.lm_head(hidden)
         elif self.lm_head is None:
@@ -285,6 +343,9 @@ class DecoderForCausalLM(nn.Module):
             logits = self.lm_head(hidden).float()
         if logits is not None and self.spec.logits_scaling != 1.0:
             logits = logits / self.spec.logits_scaling
+        cap = self.spec.final_softcap
+        if logits is not None and cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     # ---- weights ----------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Routing as HF transformers' ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``: router logits ``x @ gate.T`` in the
 model dtype, softmax over all experts in float32, the top ``k``, renormalized to sum 1 where the family does
-(``norm_topk_prob``; Mixtral always). Each expert is a SwiGLU MLP with fused gate/up (``nn.Linear`` leaves, so
+(``norm_topk_prob``; Mixtral always); or as ``GptOssTopKRouter``: a router bias, the top ``k`` logits, softmax over
+those ``k`` (``softmax_topk``), experts with biases and gpt-oss's clamped SwiGLU. Each expert is a SwiGLU MLP with fused gate/up (``nn.Linear`` leaves, so
 quantized loading and pagedserve's CPU linear kernels take the experts as they take the dense layers; the router
 stays a plain float parameter and is never quantized).
 
@@ -28,25 +29,48 @@ from .layers import SINGLE, TPGroup
 class MoeSpec:
     """Attributes: ``num_experts``; ``top_k`` experts per token; ``intermediate_size`` of each expert;
     ``norm_topk_prob`` (renormalize the top-k probabilities); ``sparse_layers`` (per layer: mixture of experts, or
-    a dense MLP of the config's ``intermediate_size``)."""
+    a dense MLP of the config's ``intermediate_size``); ``router_bias`` (the router has a bias); ``softmax_topk``
+    (the softmax runs over the top-k logits only, gpt-oss, instead of over all experts before the top-k);
+    ``expert_bias`` (biases on each expert's gate/up and down); ``swiglu_limit`` / ``swiglu_alpha``: None, or
+    gpt-oss's clamped SwiGLU (:func:`clamped_swiglu`)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
+    router_bias: bool = False
+    softmax_topk: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+
+def clamped_swiglu(x: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation (HF transformers' ``GptOssExperts._apply_gate``): ``x`` ``[T, 2 * d]`` holding
+    gate then up; ``gate`` clamped to at most ``limit``, ``up`` to ``[-limit, limit]``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``; returns ``[T, d]``."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d].clamp(max=limit), x[..., d:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class ExpertMLP(nn.Module):
-    """One expert: ``down(silu(gate(x)) * up(x))``, gate and up fused (``gate_up_proj``, gate rows first)."""
+    """One expert: ``down(silu(gate(x)) * up(x))``, gate and up fused (``gate_up_proj``, gate rows first); with
+    ``swiglu_limit``, :func:`clamped_swiglu` instead of SiLU-and-mul."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, swiglu_limit: float | None = None,
+                 swiglu_alpha: float = 1.702):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     def forward(self, x: torch.Tensor, elementwise: ops.ElementwiseOps = ops.TORCH_OPS) -> torch.Tensor:
-        return self.down_proj(elementwise.silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.swiglu_limit is not None:
+            return self.down_proj(clamped_swiglu(h, self.swiglu_limit, self.swiglu_alpha))
+        return self.down_proj(elementwise.silu_and_mul(h))
 
 
 class SparseMoeBlock(nn.Module):
@@ -68,12 +92,20 @@ class SparseMoeBlock(nn.Module):
         if not 1 <= spec.top_k <= spec.num_experts:
             raise UnsupportedConfig(f"num_experts_per_tok={spec.top_k}: must be within 1..{spec.num_experts}")
         self.num_experts, self.top_k, self.norm_topk_prob = spec.num_experts, spec.top_k, spec.norm_topk_prob
+        self.softmax_topk = spec.softmax_topk
         self.gate = nn.Parameter(torch.zeros(spec.num_experts, hidden))
-        self.experts = nn.ModuleList(ExpertMLP(hidden, spec.intermediate_size) for _ in range(spec.num_experts))
+        if spec.router_bias:
+            self.gate_bias = nn.Parameter(torch.zeros(spec.num_experts))
+        self.experts = nn.ModuleList(ExpertMLP(hidden, spec.intermediate_size, spec.expert_bias, spec.swiglu_limit,
+                                               spec.swiglu_alpha) for _ in range(spec.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, top_k] in x's dtype, expert ids [T, top_k] int64)`` of each token."""
-        probs = torch.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float32)
+        logits = F.linear(x, self.gate, getattr(self, "gate_bias", None))
+        if self.softmax_topk:   # gpt-oss (HF GptOssTopKRouter): top-k of the logits, softmax over those k
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(x.dtype), ids
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from .gpt_oss import GptOssForCausalLM
 from .granite import GraniteForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .loader import ModelSource
@@ -25,11 +27,15 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-                "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def architecture_of(config) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import select_attention_backend
-from ..attention.base import AttentionBackend
+from ..attention.base import AttentionBackend, check_features
 from ..attention.cpu import use_bf16_prefill_attention
 from ..config import EngineConfig
 from ..outputs import ModelRunnerOutput
@@ -40,6 +40,7 @@ class Worker:
         if backend is None:
             backend = select_attention_backend(config.attention_backend, self.device)
             use_bf16_prefill_attention(backend, model)
+        check_features(backend, getattr(model, "attention_features", dict)())
         self.backend = backend
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype or model.norm.dtype, self.device)
         self.block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim,

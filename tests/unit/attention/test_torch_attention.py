@@ -16,9 +16,11 @@ from pagedserve.attention import torch_ref
 from pagedserve.attention.base import AttentionMetadata
 
 
-def dense_reference(q, k, v, scale, window=None):
+def dense_reference(q, k, v, scale, window=None, softcap=None, sinks=None):
     """Causal attention of ``q`` ``[Lq, H, D]`` over ``k``/``v`` ``[Lk, Hkv, D]``; the queries are the last Lq
-    positions; with a ``window`` a query at position p sees keys p - window + 1 .. p only. float64."""
+    positions; with a ``window`` a query at position p sees keys p - window + 1 .. p only; ``softcap`` c maps each
+    scaled score s to c tanh(s / c); ``sinks`` ``[H]`` adds one logit per head to the softmax, then dropped.
+    float64."""
     lq, h, _ = q.shape
     lk, hkv, _ = k.shape
     k = k.double().repeat_interleave(h // hkv, dim=1)
@@ -27,7 +29,12 @@ def dense_reference(q, k, v, scale, window=None):
     pos_q = torch.arange(lk - lq, lk)[:, None]
     keys = torch.arange(lk)[None, :]
     hidden = (keys > pos_q) | ((keys <= pos_q - window) if window else False)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(h, lq, 1)
+        return torch.einsum("hqk,khd->qhd", torch.cat([scores, sink], -1).softmax(-1)[..., :lk], v)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -152,6 +159,33 @@ def test_bfloat16_on_cpu_runs_the_flash_kernel_within_bf16_tolerance():
         torch.testing.assert_close(out[starts[i]:starts[i] + ql].double(), ref, atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 7, 350])
+def test_softcap_and_sinks_match_dense_attention(window, monkeypatch):
+    """Soft-capped scores and sink logits (the float32 math path) on decodes in several groups and prefill chunks
+    with and without a cached prefix, scored a few query rows at a time: each row equals dense attention."""
+    monkeypatch.setattr(torch_ref, "MATH_QUERY_ROWS", 16)   # several row blocks per chunk
+    block_size, head_dim, scale = 16, 32, 32 ** -0.5
+    decode_ctx = [900, 400, 120, 17, 1]
+    prefill = [(40, 40), (25, 200), (30, 30 + 700)]
+    query_lens = [1] * len(decode_ctx) + [q for q, _ in prefill]
+    context_lens = decode_ctx + [c for _, c in prefill]
+    k_cache, v_cache, meta, query, key, value, starts = build_step(
+        query_lens, context_lens, 8, 2, head_dim, block_size, 400, seed=3)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(4)) * 2
+    backend = torch_ref.TorchAttentionBackend()
+    for softcap, sink in ((2.0, None), (None, sinks), (1.0, sinks)):
+        out = backend.forward(query, key, value, k_cache, v_cache, meta, scale, window, softcap=softcap, sinks=sink)
+        for i, (ql, cl) in enumerate(zip(query_lens, context_lens)):
+            k = torch_ref.gather_kv(k_cache, meta.block_tables[i], cl)
+            v = torch_ref.gather_kv(v_cache, meta.block_tables[i], cl)
+            ref = dense_reference(query[starts[i]:starts[i] + ql], k, v, scale, window, softcap, sink)
+            torch.testing.assert_close(out[starts[i]:starts[i] + ql].double(), ref, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="softcap"):
+        backend.forward(query, key, value, k_cache, v_cache, meta, scale, softcap=0.0)
+    with pytest.raises(ValueError, match="sinks"):
+        backend.forward(query, key, value, k_cache, v_cache, meta, scale, sinks=torch.zeros(3))
+
+
 def test_opaque_op_passes_the_layer_window():
     """The compiled forward's attention op (attention/opaque.py) runs the backend with the layer's window (0: none)
     and zeroes the padded rows past the step's tokens."""
@@ -169,3 +203,8 @@ def test_opaque_op_passes_the_layer_window():
     torch.testing.assert_close(got[:query.shape[0]], want, atol=0, rtol=0)
     torch.testing.assert_close(got_full[:query.shape[0]], full, atol=0, rtol=0)
     assert not (got[:query.shape[0]] - full).abs().max() < 1e-3 and not got[query.shape[0]:].any()
+    sinks = torch.linspace(-2, 2, 4)   # and the layer's soft-cap and sinks
+    want = ref.forward(query, key, value, k_cache.clone(), v_cache.clone(), meta, 0.25, 9, softcap=1.5, sinks=sinks)
+    with step_context(torch_ref.TorchAttentionBackend(), padded, [(k_cache, v_cache)], query.shape[0]):
+        got = torch.ops.pagedserve.paged_attention(pad(query), pad(key), pad(value), 0, 0.25, 9, 1.5, sinks)
+    torch.testing.assert_close(got[:query.shape[0]], want, atol=0, rtol=0)

@@ -20,6 +20,10 @@
 // out = sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p with M = max_p m_p. Softmax in float32 (exp8).
 // With a sliding window W > 0 a sequence of len rows attends to its last min(len, W) rows only (its query sits at
 // position len - 1 and sees positions len - W .. len - 1: transformers' sliding_window), and only those are read.
+// Soft-capping (Gemma 2): with softcap c > 0 each scaled score s becomes c * tanh(s / c) before the softmax.
+// Attention sinks (gpt-oss): with sinks, head h's softmax denominator has one more term exp(sinks[h]), a logit with
+// no value row (the sink takes probability mass and gives nothing back): out = sum exp(s - M) v / (sum exp(s - M) +
+// exp(sinks[h] - M)), M the maximum over the scores and the sink.
 
 namespace pagedserve::cpu {
 namespace {
@@ -33,6 +37,8 @@ struct DecodeArgs {
   const int32_t *tables, *lens;
   int64_t H, Hkv, D, block_size, max_blocks;
   float scale;
+  float softcap;        // 0: none
+  const float* sinks;   // [H] or nullptr
 };
 
 // Walks the cache rows [t_lo, t_hi) of sequence s and KV head kvh a block run at a time: f(first row, rows, offset
@@ -86,6 +92,10 @@ void decode_group(const DecodeArgs<C>& a, int64_t s, int64_t kvh, int64_t t_lo, 
       }
     }
   });
+  if (a.softcap > 0.0f) {   // Gemma 2's soft-capping of the scaled scores
+    const float inv_cap = 1.0f / a.softcap;
+    for (int64_t i = 0; i < G * n_ctx; ++i) sc[i] = a.softcap * std::tanh(sc[i] * inv_cap);
+  }
   for (int64_t g = 0; g < G; ++g) {   // softmax numerators in place: exp(score - m)
     float* row = sc + g * n_ctx;
     __m256 mx8 = _mm256_set1_ps(-INFINITY);
@@ -159,7 +169,8 @@ int64_t choose_splits(int64_t pairs, int64_t max_len, int64_t threads, int64_t m
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t max_splits, int64_t sliding_window) {
+                                  int64_t max_splits, int64_t sliding_window, double softcap,
+                                  const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [S, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && is_cache_type(k_cache.scalar_type()) && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
@@ -176,6 +187,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.size(0) == S && context_lens.size(0) == S, "one block table row and length per sequence");
   TORCH_CHECK(max_splits >= 0, "max_splits must be >= 0 (0: chosen by the kernel)");
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
+  TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
+                                     sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
+              "sinks must be contiguous float32 [H]");
+  const float* sinks_p = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const at::Tensor lens_tensor = context_lens.contiguous();   // kept alive: lens points into it
   const int32_t* lens = lens_tensor.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -201,7 +217,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   std::vector<float> partial(P > 1 ? pairs * P * G * (D + 2) : 0);
   AT_DISPATCH_SWITCH(k_cache.scalar_type(), "paged_decode_attention", PAGEDSERVE_CACHE_TYPE_CASES([&] {
     const DecodeArgs<scalar_t> args{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                    tables, lens, H, Hkv, D, block_size, max_blocks, static_cast<float>(scale)};
+                                    tables, lens, H, Hkv, D, block_size, max_blocks, static_cast<float>(scale),
+                                    static_cast<float>(softcap), sinks_p};
     float* out_p = out.data_ptr<float>();
     at::parallel_for(0, pairs * P, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, o(P > 1 ? 0 : G * D), ml(P > 1 ? 0 : 2 * G);
@@ -211,7 +228,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         if (P == 1) {
           decode_group_dispatch(args, s, kvh, first, len, scores, o.data(), ml.data(), ml.data() + G);
           for (int64_t g = 0; g < G; ++g) {
-            const float inv = 1.0f / ml[G + g];
+            float w = 1.0f, denom = ml[G + g];
+            if (sinks_p) {   // M = max(m, sink): o and l are relative to m
+              const float m = ml[g], sink = sinks_p[kvh * G + g], mx = std::max(m, sink);
+              w = std::exp(m - mx);
+              denom = w * denom + std::exp(sink - mx);
+            }
+            const float inv = w / denom;
             float* dst = out_p + (s * H + kvh * G + g) * D;
             for (int64_t d = 0; d < D; ++d) dst[d] = o[g * D + d] * inv;
           }
@@ -235,7 +258,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
           const float* base = partial.data() + (s * Hkv + kvh) * P * G * (D + 2);
           float mx = -INFINITY;
           for (int64_t p = 0; p < P; ++p) mx = std::max(mx, base[p * G * (D + 2) + g]);
-          float denom = 0.0f;
+          if (sinks_p) mx = std::max(mx, sinks_p[h]);
+          float denom = sinks_p ? std::exp(sinks_p[h] - mx) : 0.0f;
           float* dst = out_p + sh * D;
           std::fill_n(dst, D, 0.0f);
           for (int64_t p = 0; p < P; ++p) {

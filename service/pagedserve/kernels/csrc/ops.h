@@ -55,7 +55,8 @@ at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scale, int64
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t max_splits = 0, int64_t sliding_window = 0);
+                                  int64_t max_splits = 0, int64_t sliding_window = 0, double softcap = 0.0,
+                                  const c10::optional<at::Tensor>& sinks = c10::nullopt);
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& slot_mapping);

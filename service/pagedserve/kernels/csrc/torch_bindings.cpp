@@ -7,7 +7,7 @@ using namespace pagedserve::cpu;
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, int max_splits=0, int sliding_window=0) -> Tensor");
+        "float scale, int max_splits=0, int sliding_window=0, float softcap=0., Tensor? sinks=None) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
