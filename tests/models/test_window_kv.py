@@ -1,6 +1,8 @@
-"""KV blocks of a sliding-window model (every layer windowed: Mistral, Phi-3): blocks behind the window are given back
-while a request runs (core/kv_cache/manager.py ``sliding_window``), and the output stays transformers' greedy.
-A model with a full-attention layer keeps every block (its full layers need them)."""
+"""KV blocks of sliding-window models: blocks behind the window are given back while a request runs
+(core/kv_cache/manager.py), and the output stays transformers' greedy. Every layer windowed (Mistral, Phi-3): one
+block table, a request holds its window's blocks. Full-attention layers beside windowed ones (Gemma 2/3, gpt-oss,
+Qwen2 from ``max_window_layers``): one block table per layer group (pagedserve/kv_layout.py), the full groups keep
+every block of the context and the window groups only their window's."""
 from __future__ import annotations
 
 import random
@@ -104,15 +106,72 @@ def test_prefix_cache_hits_and_misses_stay_exact(windowed):
     assert small.kv_cache.num_free_blocks == small.kv_cache.num_blocks
 
 
-def test_a_full_attention_layer_keeps_every_block(tmp_path):
-    """Qwen2 with windows from layer 1 on (layer 0 full attention): nothing is given back."""
+def _held_per_group(engine, request) -> list[int]:
+    kv = engine.kv_cache
+    return [kv.num_blocks_held(request, g) for g in range(kv.num_groups)]
+
+
+def test_hybrid_model_holds_full_blocks_only_for_its_full_layers(tmp_path):
+    """Gemma 3 with layers [window 20, full, window 20] (8k positions): the KV layout has three groups of one layer
+    each, so a block spans one layer (a third of a one-table block). A 4,096-token prompt (64-token chunks) beside a
+    short one in a 290-block pool (a one-table layout would need 3 x 257 layer-blocks): at every step its full group
+    holds every block of its context, each window group at most ceil((20 - 1 + 64) / 16) + 1 = 7; tokens equal
+    transformers' greedy ones; the pool is whole at the end; /metrics counts the window groups' given-back blocks."""
+    from pagedserve.models.loader import ModelSource
+    from pagedserve.models.registry import build_model
+    from pagedserve.sampling_params import SamplingParams
+
+    hf = save_random_checkpoint(hf_config("gemma3", max_position_embeddings=8192), tmp_path)
+    src = ModelSource.resolve(str(tmp_path))
+    cfg = src.load_config()
+    engine = _engine(build_model(src, cfg, torch.float32, "cpu"), cfg, num_kv_blocks=290)
+    kv, window = engine.kv_cache, 20
+    assert kv.group_windows == (None, window, window)
+    worker = engine.executor.worker
+    assert worker.kv_layout.layers_per_group == 1 and worker.block_bytes == 2 * BLOCK * 2 * 16 * 4
+    assert len({id(c[0]) for c in worker.kv_caches}) == 1   # the three layers share one K tensor (one per slot)
+    rng = random.Random(6)
+    prompts = {"long": rng.choices(range(2, 256), k=4096), "short": rng.choices(range(2, 256), k=50)}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    out, most_window, full_ok = {rid: [] for rid in prompts}, 0, True
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id] += delta.token_ids
+        for r in engine.scheduler.running:
+            full, *windows = _held_per_group(engine, r)
+            full_ok &= full == -(-r.num_computed_tokens // BLOCK) or full == len(r.blocks) // 3
+            most_window = max([most_window] + windows)
+    assert full_ok and most_window <= -(-(window - 1 + CHUNK) // BLOCK) + 1
+    assert kv.num_free_blocks == kv.num_blocks
+    freed = kv.num_window_freed_blocks
+    assert 2 * (257 - 3) <= freed <= 2 * (257 + 4)   # both window groups of the long request, and the short's
+    assert f'pagedserve:kv_blocks_freed_behind_window_total{{model_name="m"}} {float(freed)}' in _metrics_text(engine)
+    assert out == {rid: hf_greedy(hf, ids, 6) for rid, ids in prompts.items()}
+
+
+def test_hybrid_prefix_cache_hit_is_exact(tmp_path):
+    """Qwen2 with windows from layer 1 on (layer 0 full): the same 600-token prompt twice in a pool that keeps the
+    given-back window blocks cached: the second run hits (>= 500 tokens, every group's blocks found) and gives the
+    first run's tokens; in a pool too small to keep them, a miss, the same tokens."""
     from pagedserve.models.loader import ModelSource
     from pagedserve.models.registry import build_model
 
-    save_random_checkpoint(hf_config("qwen2-window"), tmp_path)
+    save_random_checkpoint(hf_config("qwen2-window", max_position_embeddings=2048), tmp_path)
     src = ModelSource.resolve(str(tmp_path))
     cfg = src.load_config()
-    engine = _engine(build_model(src, cfg, torch.float32, "cpu"), cfg, num_kv_blocks=64)
-    assert engine.kv_cache.sliding_window is None
-    _, most = _run(engine, {"r": random.Random(5).choices(range(2, 256), k=300)}, 4)
-    assert most == -(-(300 + 4 - 1) // BLOCK)
+    model = build_model(src, cfg, torch.float32, "cpu")
+    prompt = random.Random(7).choices(range(2, 256), k=600)
+    big = _engine(model, cfg, num_kv_blocks=200)
+    assert big.kv_cache.group_windows == (None, 40, 40)
+    first, _ = _run(big, {"p": prompt}, 5)
+    big.kv_cache.reset_stats()
+    again, _ = _run(big, {"p2": prompt}, 5)
+    assert big.kv_cache.stats.hits_tokens >= 500 and again["p2"] == first["p"]
+    small = _engine(model, cfg, num_kv_blocks=60)
+    _run(small, {"p": prompt}, 5)
+    small.kv_cache.reset_stats()
+    miss, _ = _run(small, {"p2": prompt}, 5)
+    assert small.kv_cache.stats.hits_tokens < 100 and miss["p2"] == first["p"]
+    assert small.kv_cache.num_free_blocks == small.kv_cache.num_blocks

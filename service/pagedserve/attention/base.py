@@ -54,10 +54,19 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
     fixed_context_capacity: int | None = None
+    #: With several KV layer groups (:mod:`pagedserve.kv_layout`): each group's metadata (its own
+    #: ``block_tables`` and ``slot_mapping``, the rest shared; this object is group 0's) and each layer's group.
+    #: None: one block table for every layer.
+    groups: list | None = None
+    layer_groups: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_cpu)
+
+    def for_layer(self, layer_idx: int) -> "AttentionMetadata":
+        """The metadata layer ``layer_idx`` attends with: its group's (this object with one group)."""
+        return self if self.groups is None else self.groups[self.layer_groups[layer_idx]]
 
 
 class AttentionBackend(abc.ABC):

@@ -27,14 +27,16 @@ class CudaAttentionBackend(AttentionBackend):
     features = frozenset({"sliding_window"})   # no soft-capping or sinks in cuda/ yet
 
     def __init__(self) -> None:
-        self._plan_meta: AttentionMetadata | None = None
+        self._plan_meta: object | None = None   # the step (its metadata, or its KV groups' list) planned for
         self._plans: dict[tuple, geo.DecodePlan] = {}
 
     def _decode_plan(self, meta: AttentionMetadata, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                      head_dim: int, block_size: int, device: torch.device, window: int) -> geo.DecodePlan:
-        """The step's decode plan for this layer shape and sliding window (0: none), made once per step."""
-        if meta is not self._plan_meta:
-            self._plans, self._plan_meta = {}, meta
+        """The step's decode plan for this layer shape and sliding window (0: none), made once per step (the KV
+        layer groups' metadata of one step share it: the plan depends on the context lengths, not the tables)."""
+        step = meta.groups if meta.groups is not None else meta
+        if step is not self._plan_meta:
+            self._plans, self._plan_meta = {}, step
         shape = (dtype, num_heads, num_kv_heads, head_dim, block_size, device.index, window)
         if shape not in self._plans:
             nd, name, sms = meta.num_decode_seqs, geo.dtype_name(dtype, "query"), kernels.num_sms(device.index)

@@ -78,7 +78,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     ctx = current_step()
     k_cache, v_cache = ctx.kv_caches[layer_idx]
-    out = ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta, scale, sliding_window or None,
+    out = ctx.backend.forward(query, key, value, k_cache, v_cache, ctx.meta.for_layer(layer_idx), scale, sliding_window or None,
                               softcap=softcap or None, sinks=sinks)
     if ctx.num_tokens < out.shape[0]:
         out[ctx.num_tokens:].zero_()

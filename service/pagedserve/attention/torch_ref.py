@@ -335,8 +335,8 @@ class TorchAttentionBackend(AttentionBackend):
     prefill_dtype: torch.dtype | None = None
 
     def __init__(self) -> None:
-        self._plan: StepPlan | None = None
-        self._plan_meta: AttentionMetadata | None = None
+        self._plan_step: object | None = None                         # the step the plans below are of
+        self._plans: list[tuple[AttentionMetadata, StepPlan]] = []    # per metadata of that step (a KV group's)
         self._workspace = Workspace()
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale, sliding_window=None, *, softcap=None,
@@ -362,7 +362,14 @@ class TorchAttentionBackend(AttentionBackend):
         reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def _step_plan(self, meta, block_size: int) -> StepPlan:
-        """:func:`plan_step` of ``meta``, built once per step and shared by its layers."""
-        if meta is not self._plan_meta:
-            self._plan, self._plan_meta = plan_step(meta, block_size), meta
-        return self._plan
+        """:func:`plan_step` of ``meta``, built once per step and shared by its layers (once per KV layer group's
+        metadata when the step has several: their block tables differ)."""
+        step = meta.groups if meta.groups is not None else meta
+        if step is not self._plan_step:
+            self._plan_step, self._plans = step, []
+        for m, plan in self._plans:
+            if m is meta:
+                return plan
+        plan = plan_step(meta, block_size)
+        self._plans.append((meta, plan))
+        return plan

@@ -13,6 +13,7 @@ from ..models.registry import architecture_of
 from ..executor.base import Executor
 from ..executor.factory import build_executor
 from ..executor.tensor_parallel import check_splittable
+from ..kv_layout import KVLayout, kv_layout_of, single_group
 from .llm_engine import LLMEngine
 
 log = structlog.get_logger(__name__)
@@ -93,16 +94,12 @@ def build_engine(config: EngineConfig, *, model=None, tokenizer=None, hf_config=
 
 def _max_model_len(config: EngineConfig, hf_config, num_blocks: int, model=None) -> int:
     """The context the engine serves: ``--max-model-len``, or by default the most of the model's
-    ``max_position_embeddings``, the KV cache's capacity and the length up to which the model is exact
-    (``model.max_exact_len``: a length-dependent rope type, see :class:`pagedserve.models.decoder.DecoderSpec`).
-    A model whose every layer has a sliding window holds only its window's blocks (:func:`_kv_sliding_window`), so
-    the cache bounds its context only when it cannot hold one window and one step's tokens. Raises ValueError for a
-    ``--max-model-len`` past any of them (past the exact length naming the config field behind it)."""
-    capacity = num_blocks * config.block_size
-    window = _kv_sliding_window(model)
-    if window is not None and capacity >= window + config.max_num_batched_tokens + 2 * config.block_size:
-        capacity = int(hf_config.max_position_embeddings)
+    ``max_position_embeddings``, the KV cache's capacity (:func:`kv_capacity_tokens`) and the length up to which
+    the model is exact (``model.max_exact_len``: a length-dependent rope type, see
+    :class:`pagedserve.models.decoder.DecoderSpec`). Raises ValueError for a ``--max-model-len`` past any of them
+    (past the exact length naming the config field behind it)."""
     model_max = int(hf_config.max_position_embeddings)
+    capacity = kv_capacity_tokens(config, num_blocks, _kv_layout(model), model_max)
     exact = getattr(model, "max_exact_len", None)
     if config.max_model_len is None:
         if exact is not None and exact < min(model_max, capacity):
@@ -120,6 +117,22 @@ def _max_model_len(config: EngineConfig, hf_config, num_blocks: int, model=None)
     return config.max_model_len
 
 
+def kv_capacity_tokens(config: EngineConfig, num_blocks: int, layout: KVLayout, model_max: int) -> int:
+    """The longest context one request can hold in ``num_blocks`` blocks: a window group holds at most
+    ``ceil((window + max_num_batched_tokens) / block_size) + 1`` of them however long the request, a full group one
+    per ``block_size`` tokens. With no full group the context is unbounded by the cache (``model_max``) once the
+    window groups fit; with none fitting, 0."""
+    bs = config.block_size
+    window_blocks = sum(-(-(w + config.max_num_batched_tokens) // bs) + 1 for w in layout.group_windows
+                        if w is not None)
+    num_full = sum(1 for w in layout.group_windows if w is None)
+    if num_full == 0:
+        return model_max if num_blocks >= window_blocks + 1 else num_blocks * bs
+    if not window_blocks:
+        return num_blocks * bs
+    return max(0, num_blocks - window_blocks) // num_full * bs
+
+
 def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_config, source,
                    compile_sizes) -> tuple[LLMEngine, EngineInfo]:
     num_blocks = executor.determine_num_kv_blocks()
@@ -128,7 +141,7 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
     model = executor.model
     engine = LLMEngine(config, executor, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
-                       int(hf_config.vocab_size), kv_sliding_window=_kv_sliding_window(model))
+                       int(hf_config.vocab_size), kv_group_windows=_kv_layout(model).group_windows)
     info = EngineInfo(name=config.model or (source.name if source else "custom"),
                       architecture=architecture_of(hf_config), max_model_len=max_model_len,
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
@@ -138,13 +151,9 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
     return engine, info
 
 
-def _kv_sliding_window(model) -> int | None:
-    """The largest window when every layer of ``model`` has a sliding window (blocks behind it can be given back
-    while a request runs), else None: a full-attention layer needs every block of the context."""
-    windows = getattr(getattr(model, "spec", None), "sliding_windows", None)
-    if not windows or any(w is None for w in windows):
-        return None
-    return max(windows)
+def _kv_layout(model) -> KVLayout:
+    """The KV layer groups of ``model`` (:func:`~pagedserve.kv_layout.kv_layout_of`; one group without a model)."""
+    return single_group(1) if model is None else kv_layout_of(model)
 
 
 def _model_shape(model, hf_config) -> dict:

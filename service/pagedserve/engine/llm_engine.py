@@ -38,13 +38,14 @@ class LLMEngine:
         max_model_len: context length at most.
         eos_token_ids: ids that end a completion unless ignore_eos.
         vocab_size: logits width; token ids must be below it.
-        kv_sliding_window: None, or the largest sliding window when every layer of the model has one: blocks behind
-            it are given back while a request runs (:class:`~pagedserve.core.kv_cache.manager.KVCacheManager`).
+        kv_group_windows: per KV layer group (:class:`~pagedserve.kv_layout.KVLayout`) its sliding window, None for
+            full attention; window groups give back the blocks behind their window while a request runs
+            (:class:`~pagedserve.core.kv_cache.manager.KVCacheManager`). Default: one full-attention group.
     """
 
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer, num_kv_blocks: int,
                  max_model_len: int, eos_token_ids: frozenset[int], vocab_size: int,
-                 kv_sliding_window: int | None = None):
+                 kv_group_windows: tuple[int | None, ...] = (None,)):
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
@@ -52,7 +53,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                       kv_sliding_window)
+                                       group_windows=kv_group_windows)
         speculative = config.speculative()
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_waiting_requests, max_model_len,

@@ -326,8 +326,9 @@ class DecoderForCausalLM(nn.Module):
         if self.spec.embedding_multiplier != 1.0:
             hidden = hidden * self.spec.embedding_multiplier
         residual = None
-        for layer, kv, cos_sin in zip(self.layers, kv_caches, self._rope_tables()):
-            hidden, residual = layer(positions, hidden, residual, kv, meta, backend, cos_sin)
+        for i, (layer, kv, cos_sin) in enumerate(zip(self.layers, kv_caches, self._rope_tables())):
+            layer_meta = None if meta is None else meta.for_layer(i)   # its KV group's block tables
+            hidden, residual = layer(positions, hidden, residual, kv, layer_meta, backend, cos_sin)
         hidden, _ = backend.elementwise.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 

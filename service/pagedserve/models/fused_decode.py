@@ -66,9 +66,11 @@ class FusedDecode:
 
     def takes(self, num_tokens: int, meta: AttentionMetadata | None, backend, kv_caches) -> bool:
         """Whether this step runs here: eager metadata, the ``cpu`` backend, every row a decode
-        (``num_decode_seqs == num_tokens``), at most ``max_tokens`` of them, a cache type the kernels read. (The
-        kernels are loaded: :meth:`build` found VNNI panels, which only they make.)"""
-        return (meta is not None and 0 < num_tokens <= self.max_tokens and meta.num_decode_seqs == num_tokens
+        (``num_decode_seqs == num_tokens``), at most ``max_tokens`` of them, a cache type the kernels read, one
+        block table for every layer (no KV layer groups). (The kernels are loaded: :meth:`build` found VNNI panels,
+        which only they make.)"""
+        return (meta is not None and meta.groups is None and 0 < num_tokens <= self.max_tokens
+                and meta.num_decode_seqs == num_tokens
                 and meta.num_seqs == num_tokens and type(backend) is CpuAttentionBackend
                 and kv_caches[0][0].dtype in _CACHE_DTYPES and kv_caches[0][0].device.type == "cpu")
 

@@ -20,6 +20,7 @@ import torch
 
 from ..attention.base import AttentionBackend, AttentionMetadata
 from ..attention.opaque import step_context
+from ..kv_layout import kv_layout_of
 
 log = structlog.get_logger(__name__)
 
@@ -38,6 +39,8 @@ def compile_supported(backend: AttentionBackend, device: torch.device, tensor_pa
         return "tensor parallelism runs its shards eagerly (the collectives are not traced)"
     if getattr(model, "host_sync_reason", None):
         return model.host_sync_reason
+    if model is not None and kv_layout_of(model).hybrid:
+        return "a model with full and sliding-window layers runs one block table per layer group (eager only)"
     kind = torch.device(device).type
     if kind == "cuda":
         if not backend.supports_cuda_graphs:

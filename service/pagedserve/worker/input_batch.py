@@ -10,6 +10,7 @@ its sampled rows' settings with one index instead of rebuilding them from the pa
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,11 +61,15 @@ class InputBatch:
 
     Args:
         block_size: tokens per KV block. device: where the tensors go.
+        layout: the KV layer groups (:class:`~pagedserve.kv_layout.KVLayout`; None: one group). With
+            several, a state's ``block_ids`` are the groups' tables interleaved and each group gets its own block
+            tables and slot mapping (:attr:`AttentionMetadata.groups`).
     """
 
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int, device: torch.device, layout=None):
         self.block_size = block_size
         self.device = device
+        self.layout = layout if layout is not None and layout.hybrid else None
         self.states: dict[int, CachedRequestState] = {}
         self._free_slots: list[int] = []
         self._capacity = 0
@@ -152,8 +157,16 @@ class InputBatch:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        width = max(len(t) for t in tables)
         dev = self.device
+        layout = self.layout
+        if layout is not None:   # the groups' tables, de-interleaved, and their slots
+            G = layout.num_groups
+            group_tables = [[t[g::G] for t in tables] for g in range(G)]
+            group_slots = [[t[p // bs] * bs + p % bs for t, e in zip(tables_g, entries)
+                            for p in range(e.state.num_computed_tokens, e.state.num_computed_tokens + e.num_new_tokens)]
+                           for tables_g in group_tables]
+            tables, slots = group_tables[0], group_slots[0]
+        width = max(len(t) for t in tables)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
@@ -162,6 +175,13 @@ class InputBatch:
             query_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
             max_query_len=max(query_lens), max_context_len=max(context_lens), num_decode_seqs=num_decodes,
             query_lens_cpu=query_lens, context_lens_cpu=context_lens)
+        if layout is not None:
+            metas = [meta] + [dataclasses.replace(
+                meta, slot_mapping=torch.tensor(group_slots[g], dtype=torch.int64, device=dev),
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in group_tables[g]], dtype=torch.int32,
+                                          device=dev)) for g in range(1, G)]
+            for m in metas:
+                m.groups, m.layer_groups = metas, layout.layer_group
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)
 

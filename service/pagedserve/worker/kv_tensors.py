@@ -13,6 +13,16 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
             for _ in range(num_layers)]
 
 
+def allocate_layer_kv_caches(layout, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(k_cache, v_cache)`` under a :class:`~pagedserve.kv_layout.KVLayout`: ``layers_per_group``
+    tensor pairs (:func:`allocate_kv_caches`), layer ``l`` given pair ``layout.layer_slot[l]`` (one pair per layer
+    with one group)."""
+    caches = allocate_kv_caches(layout.layers_per_group, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                                device)
+    return [caches[slot] for slot in layout.layer_slot]
+
+
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's element type for ``EngineConfig.kv_cache_dtype`` ``name``: "auto" is ``model_dtype``,
     otherwise ``torch.<name>``.
@@ -31,5 +41,6 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) ->
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers, K and V."""
+    """Bytes one block takes over ``num_layers`` layers (a layout's ``layers_per_group``: the tensors a block id
+    indexes), K and V."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -33,17 +33,18 @@ class ModelRunner:
         device: where the model runs.
         seed: seed of the sampler's generator shared by requests without a seed of their own (None: from the OS).
         is_driver: rank 0 (it samples); other ranks only join the collectives.
+        kv_layout: the KV layer groups (:class:`~pagedserve.kv_layout.KVLayout`; None: one block table).
     """
 
     def __init__(self, model, backend: AttentionBackend, kv_caches, block_size: int, device, seed: int | None = None,
-                 is_driver: bool = True):
+                 is_driver: bool = True, kv_layout=None):
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
         self.is_driver = is_driver
-        self.input_batch = InputBatch(block_size, self.device)
+        self.input_batch = InputBatch(block_size, self.device, kv_layout)
         self.sampler = Sampler(seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.compiled = None  # a CompiledForward (worker.compiled, CPU) or CudaGraphForward (worker.cuda_graphs,

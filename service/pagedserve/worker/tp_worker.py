@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..attention.base import AttentionMetadata
 from ..config import EngineConfig
+from ..kv_layout import kv_layout_of
 from . import tp_group as group
 from .device import rank_device as _rank_device, resolve_dtype
 from .kv_tensors import allocate_kv_caches, kv_block_bytes, kv_cache_dtype
@@ -137,7 +138,7 @@ def own_block_limit(config: EngineConfig, model, device: torch.device) -> int:
         return 1 << 62
     free = int(torch.cuda.get_device_properties(device).total_memory * config.gpu_memory_utilization) \
         - int(torch.cuda.max_memory_allocated(device))
-    block = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim,
+    block = kv_block_bytes(kv_layout_of(model).layers_per_group, config.block_size, model.num_kv_heads, model.head_dim,
                            kv_cache_dtype(config.kv_cache_dtype, model.norm.dtype, device))
     return max(1, free // block)
 

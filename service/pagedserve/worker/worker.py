@@ -13,7 +13,8 @@ from ..outputs import ModelRunnerOutput
 from ..scheduler_output import SchedulerOutput
 from .compiled import DEFAULT_COMPILE_SIZES, CompiledForward, use_compiled
 from .cuda_graphs import CudaGraphForward, capture_cuda_graphs
-from .kv_tensors import allocate_kv_caches, kv_block_bytes, kv_cache_dtype
+from ..kv_layout import kv_layout_of
+from .kv_tensors import allocate_layer_kv_caches, kv_block_bytes, kv_cache_dtype
 from .memory import kv_cache_bytes
 from .model_runner import ModelRunner
 
@@ -43,8 +44,9 @@ class Worker:
         check_features(backend, getattr(model, "attention_features", dict)())
         self.backend = backend
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype or model.norm.dtype, self.device)
-        self.block_bytes = kv_block_bytes(model.num_layers, config.block_size, model.num_kv_heads, model.head_dim,
-                                          self.kv_dtype)
+        self.kv_layout = kv_layout_of(model)   # KV layer groups: one block table per group (hybrid models)
+        self.block_bytes = kv_block_bytes(self.kv_layout.layers_per_group, config.block_size, model.num_kv_heads,
+                                          model.head_dim, self.kv_dtype)
         self.runner: ModelRunner | None = None
 
     @property
@@ -71,10 +73,10 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV blocks (zeroed) and the model runner over them."""
         model, config = self.model, self.config
-        kv_caches = allocate_kv_caches(model.num_layers, num_blocks, config.block_size, model.num_kv_heads,
-                                       model.head_dim, self.kv_dtype, self.device)
+        kv_caches = allocate_layer_kv_caches(self.kv_layout, num_blocks, config.block_size, model.num_kv_heads,
+                                             model.head_dim, self.kv_dtype, self.device)
         self.runner = ModelRunner(model, self.backend, kv_caches, config.block_size, self.device, config.seed,
-                                  is_driver=self.rank == 0)
+                                  is_driver=self.rank == 0, kv_layout=self.kv_layout)
 
     def compile_or_warm_up(self, max_model_len: int, compile_sizes=None) -> None:
         """Compile the forward (CPU: inductor; CUDA: decode CUDA graphs) unless it runs eager

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pagedserve.core.kv_cache.block_pool import BlockPool
+from pagedserve.core.kv_cache.block_pool import NULL_BLOCK, BlockPool
 from pagedserve.core.kv_cache.manager import KVCacheManager
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -18,7 +18,8 @@ def check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
     holders: dict[int, int] = {}
     for r in live:
         for b in r.blocks:
-            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+            if b is not NULL_BLOCK:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
     free_ids = {b.block_id for b in kv.pool.free_queue}
     for b in kv.pool.blocks:
         assert b.ref_cnt == holders.get(b.block_id, 0), f"block {b.block_id} ref count"
@@ -238,3 +239,104 @@ def test_random_forks_with_copy_on_write_keep_invariants(caching, ops):
     for r in live:
         kv.free(r)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "append", "chunk", "fork", "free"]),
+                          st.integers(0, 7), st.integers(1, 11), st.integers(0, 2)), max_size=50))
+@pytest.mark.parametrize("group_windows", [(None, 6), (None, 5, 9), (7,)])
+@pytest.mark.parametrize("caching", [True, False])
+def test_layer_groups_with_windows_keep_invariants(group_windows, caching, ops):
+    """KV layer groups (pagedserve/kv_layout.py): a full group and window groups in one pool, each request's table
+    the groups' tables interleaved. Under new requests (prefix hits), chunks, appends with beam forks and frees: ref
+    counts equal holders, nothing shared is written, a full group holds every computed position's token, a window
+    group every position the next query's window sees (the blocks before it given back as null entries), a prefix
+    hit covers whole logical blocks found in every group, and everything is free at the end."""
+    bs, G = 4, len(group_windows)
+    kv = KVCacheManager(num_blocks=40, block_size=bs, enable_prefix_caching=caching, group_windows=group_windows)
+    content: dict[int, list] = {b.block_id: [None] * bs for b in kv.pool.blocks}
+    live: list[Request] = []
+    counter = 0
+
+    def compute(r: Request, n: int) -> None:
+        for src, dst in kv.take_block_copies():
+            content[dst] = list(content[src])
+        for g, window in enumerate(group_windows):   # what the step's first query reads is there
+            first = 0 if window is None else max(0, r.num_computed_tokens - window + 1)
+            for pos in range(first, r.num_computed_tokens):
+                block = r.blocks[pos // bs * G + g]
+                assert block is not NULL_BLOCK and content[block.block_id][pos % bs] == r.token_ids[pos], (g, pos)
+        for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
+            for g in range(G):
+                block = r.blocks[pos // bs * G + g]
+                assert block is not NULL_BLOCK and block.ref_cnt == 1, "wrote into a shared or given-back block"
+                content[block.block_id][pos % bs] = r.token_ids[pos]
+        r.num_computed_tokens += n
+
+    for op, idx, n, prefix in ops:
+        if op == "new":
+            counter += 1
+            r = make_request(f"r{counter}", [prefix] * 9 + list(range(counter * 100, counter * 100 + n)))
+            hits = kv.find_cached_prefix(r)
+            assert len(hits) % G == 0 and NULL_BLOCK not in hits
+            todo = r.num_tokens - kv.num_cached_tokens(hits)
+            if kv.allocate_slots(r, todo, hits):
+                compute(r, todo)
+                live.append(r)
+        elif live:
+            r = live[idx % len(live)]
+            if op in ("append", "chunk"):
+                k = 1 if op == "append" else n
+                for j in range(k):
+                    r.append_output_token(1000 + j)
+                if kv.allocate_slots(r, k):
+                    compute(r, k)
+                else:
+                    assert kv.take_block_copies() == []
+                    del r.token_ids[-k:]
+            elif op == "fork" and n % 2:   # a beam: shares every block, the partial one too
+                counter += 1
+                child = make_request(f"r{counter}", r.prompt_token_ids)
+                kv.fork(r, child)
+                live.append(child)
+            elif op == "fork":   # an n > 1 sibling: shares the parent's full prompt blocks still held
+                counter += 1
+                child = make_request(f"r{counter}", r.prompt_token_ids)
+                child.fork_parent = r
+                hits = kv.find_cached_prefix(child)
+                todo = child.num_tokens - kv.num_cached_tokens(hits)
+                if kv.allocate_slots(child, todo, hits):
+                    compute(child, todo)
+                    live.append(child)
+            else:
+                kv.free(r)
+                live.remove(r)
+        check_invariants(kv, live)
+        for r in live:
+            assert len(r.blocks) % G == 0
+            for g, window in enumerate(group_windows):
+                first = 0 if window is None else max(0, r.num_computed_tokens - window + 1)
+                for pos in range(first, r.num_computed_tokens):
+                    block = r.blocks[pos // bs * G + g]
+                    assert content[block.block_id][pos % bs] == r.token_ids[pos], (r.request_id, g, pos)
+    for r in live:
+        kv.free(r)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_kv_layout_groups():
+    """Layer groups of the released layouts: Gemma 3 (34 layers, every sixth full), gpt-oss (alternating), a
+    model without windows or with a window on every layer (one group)."""
+    from pagedserve.kv_layout import kv_layout
+
+    gemma3 = kv_layout(tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34)), 34)
+    assert gemma3.layers_per_group == 5 and gemma3.group_windows == (None,) + (1024,) * 6
+    assert [gemma3.layer_group[i] for i in (5, 11, 17, 23, 29)] == [0] * 5
+    assert sorted(zip(gemma3.layer_group, gemma3.layer_slot)) == sorted(set(zip(gemma3.layer_group,
+                                                                                 gemma3.layer_slot)))
+    oss = kv_layout(tuple(128 if i % 2 == 0 else None for i in range(24)), 24)
+    assert oss.layers_per_group == 12 and oss.group_windows == (None, 128) and oss.hybrid
+    assert oss.layer_group[:4] == (1, 0, 1, 0) and oss.layer_slot[:4] == (0, 0, 1, 1)
+    for windows, want in ((None, (None,)), ((None,) * 4, (None,)), ((16, 32, 16, 8), (32,))):
+        one = kv_layout(windows, 4)
+        assert one.group_windows == want and one.layers_per_group == 4 and one.layer_slot == (0, 1, 2, 3)

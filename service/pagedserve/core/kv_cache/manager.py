@@ -9,6 +9,12 @@ ever written. Full blocks are hashed as a
 chain ``sha256(parent_hash, token_ids, extra_keys)`` (vLLM v1's automatic prefix caching) and cached as soon as the
 step that computes them is scheduled: within one forward, every layer writes the step's K/V before any attention
 reads them, so a request scheduled later in the same step may already use them.
+
+Layer groups (:mod:`pagedserve.kv_layout`, vLLM v1's hybrid allocator): with ``G`` groups a request's table holds ``G`` entries
+per logical block, entry ``i * G + g`` being block ``i`` of group ``g``, all from the one pool. Each group's blocks
+are hashed under the chain hash and the group, so a prefix hit is a run of logical blocks found in every group; a
+sliding-window group gives back its blocks behind its window (their entries become :data:`NULL_BLOCK`) while full
+groups keep theirs.
 """
 from __future__ import annotations
 
@@ -44,21 +50,32 @@ class KVCacheManager:
         num_blocks: physical blocks.
         block_size: tokens per block.
         enable_prefix_caching: reuse cached full blocks across requests.
-        sliding_window: None, or (every layer of the model having a sliding window) the largest window in tokens:
-            a block whose tokens are all before the window of the step's first query is given back while the
-            request runs (vLLM v1's sliding-window manager), its table entry replaced by :data:`NULL_BLOCK`, so a
-            request holds about ``window / block_size + 1`` blocks plus the step's new tokens, however long it runs.
-            Given-back blocks keep their prefix-cache hash until reused; a later request's hit is the leading run of
-            blocks still cached (a block reused since is a miss from there on, never a wrong hit).
+        sliding_window: None, or (one group, every layer of the model having a sliding window) the largest window
+            in tokens: the same as ``group_windows=(sliding_window,)``.
+        group_windows: None (one group: ``(sliding_window,)``), or per layer group (:class:`~pagedserve.kv_layout.KVLayout`) its
+            window in tokens, None for full attention. In a window group a block whose tokens are all before the
+            window of the step's first query is given back while the request runs (vLLM v1's sliding-window
+            manager), its table entry replaced by :data:`NULL_BLOCK`, so the group holds about
+            ``window / block_size + 1`` blocks plus the step's new tokens, however long the request runs. Given-back
+            blocks keep their prefix-cache hash until reused; a later request's hit is the leading run of blocks
+            still cached in every group (a block reused since is a miss from there on, never a wrong hit).
+
+    Raises:
+        ValueError: ``block_size`` < 1, a window < 1, or both ``sliding_window`` and ``group_windows`` given.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, group_windows: tuple[int | None, ...] | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
-        self.sliding_window = sliding_window
+        if group_windows is not None and sliding_window is not None:
+            raise ValueError("give sliding_window or group_windows, not both")
+        windows = tuple(group_windows) if group_windows is not None else (sliding_window,)
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"sliding windows must be None or >= 1, got {windows}")
+        self.group_windows = windows
+        self.num_groups = len(windows)
+        self.sliding_window = windows[0] if len(windows) == 1 else None
         self.num_window_freed_blocks = 0  # blocks given back behind a sliding window since start-up
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -83,7 +100,16 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Table entries (pool blocks, one per group per logical block) that ``num_tokens`` tokens take at most."""
+        return self._logical(num_tokens) * self.num_groups
+
+    def _logical(self, num_tokens: int) -> int:
+        """Logical blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
+
+    def _key(self, block_hash: bytes, group: int) -> bytes:
+        """The prefix-cache key of a block of ``group`` under chain hash ``block_hash`` (group 0: the hash)."""
+        return block_hash if group == 0 else block_hash + bytes([group % 256, group // 256])
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """Blocks a new (or preempted) request can take instead of computing, leaving at least one token to compute.
@@ -93,18 +119,25 @@ class KVCacheManager:
         matching the request's tokens. Counts the lookup in :attr:`stats`.
         """
         max_blocks = (request.num_tokens - 1) // self.block_size
-        parent = request.fork_parent
+        parent, G = request.fork_parent, self.num_groups
         if parent is not None and parent.blocks:
             shareable = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
-            hits = parent.blocks[:min(max_blocks, shareable)]
+            hits = parent.blocks[:min(max_blocks, shareable) * G]
+            if NULL_BLOCK in hits:   # the parent's window has moved past blocks the child's prefix needs
+                hits = []
         elif self.enable_prefix_caching and request.params.prompt_logprobs is None:
             # (prompt logprobs need every prompt position computed, so such requests skip the cache, as in vLLM)
             hits = self._lookup_chain(request, max_blocks)
         else:
             return []
         self.stats.queries_tokens += request.num_prompt_tokens
-        self.stats.hits_tokens += min(len(hits) * self.block_size, request.num_prompt_tokens)
+        self.stats.hits_tokens += min(len(hits) // G * self.block_size, request.num_prompt_tokens)
         return hits
+
+    def num_cached_tokens(self, cached_blocks: list[KVBlock]) -> int:
+        """Tokens that the hit ``cached_blocks`` (from :meth:`find_cached_prefix`: ``num_groups`` entries per
+        logical block) cover."""
+        return len(cached_blocks) // self.num_groups * self.block_size
 
     def _lookup_chain(self, request: Request, max_blocks: int) -> list[KVBlock]:
         hits: list[KVBlock] = []
@@ -113,10 +146,10 @@ class KVCacheManager:
             tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = request.block_hashes[i] if i < len(request.block_hashes) else \
                 hash_block(parent, tokens, request.cache_salt)
-            block = self.pool.lookup(h, parent, tokens)
-            if block is None:
+            found = [self.pool.lookup(self._key(h, g), parent, tokens) for g in range(self.num_groups)]
+            if None in found:
                 break
-            hits.append(block)
+            hits.extend(found)
             parent = h
         return hits
 
@@ -128,7 +161,7 @@ class KVCacheManager:
         and advance ``request.num_computed_tokens``. Returns False, changing nothing, when too few blocks are free.
         """
         cached_blocks = cached_blocks or []
-        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_computed = request.num_computed_tokens + len(cached_blocks) // self.num_groups * self.block_size
         total = num_computed + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(request.blocks) - len(cached_blocks)
         # Cached hits sitting in the free queue count as free now but stop being free once touched.
@@ -145,25 +178,29 @@ class KVCacheManager:
         if num_new_blocks > 0:
             request.blocks.extend(self.pool.allocate(num_new_blocks))
         self._cache_full_blocks(request, total)
-        if self.sliding_window is not None:
-            self._free_behind_window(request)
+        for g, window in enumerate(self.group_windows):
+            if window is not None:
+                self._free_behind_window(request, g, window)
         return True
 
-    def _free_behind_window(self, request: Request) -> None:
-        """Give back the blocks whose tokens are all before the window of the request's next query (at position
-        ``num_computed_tokens``, which sees keys from ``num_computed_tokens - window + 1`` on)."""
-        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
-        blocks = request.blocks
-        for i in range(min(first_needed, len(blocks)) - 1, -1, -1):  # newest first: stop at the first given back
-            if blocks[i] is NULL_BLOCK:
+    def _free_behind_window(self, request: Request, group: int, window: int) -> None:
+        """Give back ``group``'s blocks whose tokens are all before the window of the request's next query (at
+        position ``num_computed_tokens``, which sees keys from ``num_computed_tokens - window + 1`` on)."""
+        first_needed = max(0, request.num_computed_tokens - window + 1) // self.block_size
+        blocks, G = request.blocks, self.num_groups
+        for i in range(min(first_needed, len(blocks) // G) - 1, -1, -1):  # newest first: stop at one given back
+            e = i * G + group
+            if blocks[e] is NULL_BLOCK:
                 break
-            self.pool.free([blocks[i]])
-            blocks[i] = NULL_BLOCK
+            self.pool.free([blocks[e]])
+            blocks[e] = NULL_BLOCK
             self.num_window_freed_blocks += 1
 
-    def num_blocks_held(self, request: Request) -> int:
-        """Physical blocks in ``request``'s table (entries given back behind a sliding window not counted)."""
-        return sum(1 for b in request.blocks if b is not NULL_BLOCK)
+    def num_blocks_held(self, request: Request, group: int | None = None) -> int:
+        """Physical blocks in ``request``'s table (entries given back behind a sliding window not counted), in all
+        groups or in ``group``'s table only."""
+        entries = request.blocks if group is None else request.blocks[group::self.num_groups]
+        return sum(1 for b in entries if b is not NULL_BLOCK)
 
     def blocks_to_allocate(self, plan: list[tuple[Request, int]]) -> int:
         """Blocks that :meth:`allocate_slots` (without cached blocks) for each ``(request, num_new_tokens)`` of
@@ -178,11 +215,11 @@ class KVCacheManager:
         return num + sum(min(w, block.ref_cnt - 1) for block, w in writers.items())
 
     def _shared_written(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Indices of the request's existing blocks that the next ``num_new_tokens`` tokens write and that another
-        sequence also holds (a beam fork's partial block): each needs a copy first."""
+        """Indices (table entries) of the request's existing blocks that the next ``num_new_tokens`` tokens write
+        and that another sequence also holds (a beam fork's partial block): each needs a copy first."""
         if num_new_tokens <= 0:
             return []
-        first = request.num_computed_tokens // self.block_size
+        first = request.num_computed_tokens // self.block_size * self.num_groups
         last = min(len(request.blocks), self.blocks_needed(request.num_computed_tokens + num_new_tokens))
         return [i for i in range(first, last) if request.blocks[i].ref_cnt > 1]
 
@@ -218,19 +255,21 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash and register the blocks that are full once ``num_tokens`` tokens are computed."""
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        bs = self.block_size
+        bs, G = self.block_size, self.num_groups
         for i in range(request.num_registered_blocks, num_full):
             parent = request.block_hashes[i - 1] if i else None
             tokens = tuple(request.token_ids[i * bs:(i + 1) * bs])
             if i == len(request.block_hashes):
                 request.block_hashes.append(hash_block(parent, tokens, request.cache_salt))
-            self.pool.cache_block(request.blocks[i], request.block_hashes[i], parent, tokens)
+            for g in range(G):
+                self.pool.cache_block(request.blocks[i * G + g], self._key(request.block_hashes[i], g), parent,
+                                      tokens)
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Hand back the blocks past the first ``blocks_needed(num_tokens)`` (speculative drafts' slots that were
         rejected). Such tail blocks hold no cached hash: only blocks full of known tokens are registered."""
-        keep = max(self.blocks_needed(num_tokens), request.num_registered_blocks)
+        keep = max(self._logical(num_tokens), request.num_registered_blocks) * self.num_groups
         if len(request.blocks) > keep:
             self.pool.free(list(reversed(request.blocks[keep:])))
             del request.blocks[keep:]

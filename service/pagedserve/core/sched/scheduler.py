@@ -61,7 +61,7 @@ class Scheduler:
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.forks = ForkWaitList()               # n > 1 completions waiting for their first one's prompt
         self.requests: dict[int, Request] = {}      # live requests by seq_id (queued or running)
-        self.view = WorkerView(kv_cache.block_size)  # what the worker knows: the step's plain output
+        self.view = WorkerView(kv_cache.block_size, kv_cache.num_groups)  # what the worker knows: the step's plain output
         self.text = text
         self.gangs: GangOwner | None = None  # the gangs' owner (beam search's BeamGroups, which is built over
                                              # this scheduler and attaches itself)
@@ -202,7 +202,7 @@ class Scheduler:
                 budget = left
                 continue
             cached = self.kv_cache.find_cached_prefix(req) if not req.blocks else []
-            num_cached = len(cached) * self.kv_cache.block_size
+            num_cached = self.kv_cache.num_cached_tokens(cached)
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, self.long_prefill_token_threshold)
             if not self.kv_cache.allocate_slots(req, n, cached):
                 break
@@ -227,7 +227,7 @@ class Scheduler:
         heapq.heappop(self._waiting)
         for b in members:
             cached = self.kv_cache.find_cached_prefix(b) if not b.blocks else []
-            num_cached = len(cached) * self.kv_cache.block_size
+            num_cached = self.kv_cache.num_cached_tokens(cached)
             n = max(0, min(b.num_tokens - b.num_computed_tokens - num_cached, budget,
                            self.long_prefill_token_threshold))
             if not self.kv_cache.allocate_slots(b, n, cached):

@@ -4,7 +4,10 @@ it knows only as what changed (tokens appended since it last ran, the tail of it
 
 Why a block table can be sent as a tail: the blocks before ``num_computed_tokens // block_size`` are never replaced
 while a request runs (copy-on-write, draft trimming and new allocations only touch the tail); a preemption frees
-them all, so the next table is sent from block 0.
+them all, so the next table is sent from block 0. (Blocks given back behind a sliding window become null entries
+in the scheduler's table but stay as they were in the worker's: no kernel reads a block before its window.) With
+several layer groups the table is the groups' tables interleaved (:mod:`~pagedserve.kv_layout`), and the
+tail starts at a whole logical block.
 """
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ class _Known:
 
 
 class WorkerView:
-    """Tracks the worker's view of the requests (the engine thread only). Args: ``block_size``: tokens per block."""
+    """Tracks the worker's view of the requests (the engine thread only). Args: ``block_size``: tokens per block;
+    ``num_groups``: KV layer groups (table entries per logical block)."""
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
+    def __init__(self, block_size: int, num_groups: int = 1):
+        self.block_size, self.num_groups = block_size, num_groups
         self._known: dict[int, _Known] = {}
         self._finished: list[int] = []
 
@@ -65,7 +69,7 @@ class WorkerView:
     def _changes(self, req: Request, known: _Known) -> CachedRequestData:
         new_tokens = req.token_ids[known.num_tokens:]
         known.num_tokens = req.num_tokens
-        keep = min(len(known.block_ids), req.num_computed_tokens // self.block_size)
+        keep = min(len(known.block_ids), req.num_computed_tokens // self.block_size * self.num_groups)
         new_blocks = [b.block_id for b in req.blocks[keep:]]
         known.block_ids[keep:] = new_blocks
         return CachedRequestData(req.seq_id, new_tokens, req.num_computed_tokens, keep, new_blocks)
