@@ -171,9 +171,11 @@ def test_int4_teacher_forced_top1_against_dequantized(trained_checkpoint, label)
     assert agree >= 0.99
 
 
-@pytest.mark.parametrize("label", ["qwen3"])
+@pytest.mark.parametrize("label", ["qwen3", "gpt-oss"])
 def test_tensor_parallel_2_equals_1(tmp_path, label):
-    """Two spawned ranks (gloo) give the logits of one: Qwen3's per-head q/k norms on each rank's heads."""
+    """Two spawned ranks (gloo) give the logits of one: Qwen3's per-head q/k norms on each rank's heads; gpt-oss's
+    experts sliced on every rank (router bias, expert biases on rank 0, clamped SwiGLU per slice, one all-reduce
+    of the summed experts) and its sinks split with the heads."""
     from tp_cases import run_group
 
     save_random_checkpoint(hf_config(label), tmp_path)

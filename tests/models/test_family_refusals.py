@@ -19,15 +19,56 @@ def _build(cfg, tp=None):
 
 
 def test_unregistered_architecture_refused(tmp_path):
-    from transformers import GptOssConfig
+    from transformers import FalconConfig
 
     from pagedserve.models.loader import ModelSource
     from pagedserve.models.registry import build_model
 
-    cfg = GptOssConfig(architectures=["GptOssForCausalLM"])
+    cfg = FalconConfig(architectures=["FalconForCausalLM"])
     source = ModelSource(str(tmp_path), str(tmp_path), None)  # never read: the refusal comes first
-    with pytest.raises(ValueError, match="architecture 'GptOssForCausalLM' is not supported"):
+    with pytest.raises(ValueError, match="architecture 'FalconForCausalLM' is not supported"):
         build_model(source, cfg, torch.float32, "cpu")
+
+
+def test_gemma_activation_and_bidirectional_attention_refused():
+    from pagedserve.models.decoder import UnsupportedConfig
+
+    with pytest.raises(UnsupportedConfig, match=r"^hidden_activation='gelu': the MLP runs GeGLU with the tanh GELU"):
+        _build(hf_config("gemma2", hidden_activation="gelu"))
+    with pytest.raises(UnsupportedConfig, match=r"^use_bidirectional_attention=True: "):
+        _build(hf_config("gemma3", use_bidirectional_attention=True))
+
+
+def test_quantized_gpt_oss_checkpoint_refused():
+    from pagedserve.models.decoder import UnsupportedConfig
+
+    cfg = hf_config("gpt-oss")
+    cfg.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    with pytest.raises(UnsupportedConfig, match=r"^quantization_config.quant_method='mxfp4': "):
+        _build(cfg)
+
+
+def test_softcap_and_sinks_refused_on_a_backend_without_them():
+    """A backend that does not run soft-capping or sinks (the CUDA kernels today) is refused when the worker is
+    built, naming the config field; every backend is told the layers' options (no layer silently drops them)."""
+    from pagedserve.attention.base import check_features
+    from pagedserve.attention.torch_ref import TorchAttentionBackend
+
+    class WindowOnly(TorchAttentionBackend):
+        name, features = "cuda-like", frozenset({"sliding_window"})
+
+    gemma, oss = _build(hf_config("gemma2")), _build(hf_config("gpt-oss"))
+    assert gemma.attention_features() == {"sliding_window": "sliding_window=24",
+                                          "softcap": "attn_logit_softcapping=2.0"}
+    with pytest.raises(ValueError, match=r"^attn_logit_softcapping=2.0: the 'cuda-like' attention backend does "
+                                         r"not run softcap"):
+        check_features(WindowOnly(), gemma.attention_features())
+    with pytest.raises(ValueError, match=r"^model_type='gpt_oss' \(attention sinks\): the 'cuda-like'"):
+        check_features(WindowOnly(), oss.attention_features())
+    check_features(TorchAttentionBackend(), oss.attention_features())
+    from pagedserve.attention.cuda import CudaAttentionBackend
+
+    assert "softcap" not in CudaAttentionBackend.features and "sinks" not in CudaAttentionBackend.features
 
 
 def test_activation_refused():
@@ -61,6 +102,15 @@ def test_odd_partial_rotary_refused():
 
     with pytest.raises(UnsupportedConfig, match=r"^partial_rotary_factor gives 5 rotary features"):
         _build(hf_config("phi3", partial_rotary_factor=5 / 16))
+
+
+def test_experts_that_do_not_split_refused_under_tensor_parallel():
+    from pagedserve.models.decoder import UnsupportedConfig
+    from pagedserve.models.layers import TPGroup
+
+    with pytest.raises(UnsupportedConfig, match=r"^tensor_parallel_size 3 does not divide the experts' "
+                                                r"intermediate size 32"):
+        _build(hf_config("qwen3-moe"), TPGroup(rank=0, size=3))
 
 
 def test_whole_projection_qk_norm_refused_under_tensor_parallel():

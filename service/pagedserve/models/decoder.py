@@ -56,10 +56,7 @@ class DecoderAttention(nn.Module):
         self.sliding_window = spec.sliding_windows[layer_idx] if spec.sliding_windows else None
         self.qk_norm, self.eps = spec.qk_norm, cfg.rms_norm_eps
         self.softcap = spec.attn_softcap
-        if spec.attention_sinks:
-            if tp.size > 1:
-                raise UnsupportedConfig("tensor_parallel_size: attention sinks (gpt-oss) run at tensor-parallel "
-                                        "size 1 only")
+        if spec.attention_sinks:   # this rank's heads' sink logits (load_weights slices the checkpoint's)
             self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.qkv_proj = layers.qkv_linear(cfg.hidden_size, total_heads, total_kv_heads, self.head_dim,
                                           spec.qkv_bias, tp)
@@ -391,6 +388,9 @@ class DecoderForCausalLM(nn.Module):
                     target, shard = name.replace(hf, ours), idx
                     break
             target, tensor, padded = layers.take_for_rank(modules, target, shard, tensor)
+            if self.tp.size > 1 and target.endswith(".self_attn.sinks"):   # per query head: this rank's heads
+                local = self.layers[0].self_attn.num_heads
+                tensor = tensor[self.tp.rank * local:(self.tp.rank + 1) * local]
             if tensor is None:  # nothing of it on this rank (a row-parallel bias off rank 0)
                 continue
             owner = target.removesuffix(".weight")

@@ -108,14 +108,17 @@ class RowParallelLinear(nn.Module):
     """``y = sum_r x_r @ W_r^T + b``: x_r ``[T, in / size]`` (this rank's input columns, as a column-parallel layer
     left them); the partial products are all-reduced, so y ``[T, out]`` is the same on every rank."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, reduce: bool = True):
         super().__init__()
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
         self.local_in = _check_divides(in_features, tp, "the input features")
         self.linear = nn.Linear(self.local_in, out_features, bias=bias and tp.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.linear(x))
+        """``reduce=False`` returns this rank's partial product (an expert's: the mixture sums the experts' partial
+        outputs and all-reduces once, :class:`~.moe.SparseMoeBlock`)."""
+        y = self.linear(x)
+        return self.tp.all_reduce(y) if self.reduce else y
 
     def take(self, full, shard: int | None, kind: str):
         """This rank's input columns of the weight; the bias on rank 0 (None elsewhere: it is added once)."""
@@ -192,10 +195,10 @@ def merged_column_linear(in_features: int, out_features: int, num_pieces: int, b
     return ColumnParallelLinear(in_features, [(tp.rank * local, local)] * num_pieces, bias, tp)
 
 
-def row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup):
-    """``nn.Linear`` at size 1, else :class:`RowParallelLinear`."""
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup, reduce: bool = True):
+    """``nn.Linear`` at size 1, else :class:`RowParallelLinear` (``reduce=False``: no all-reduce of its own)."""
     return nn.Linear(in_features, out_features, bias=bias) if tp.size == 1 else \
-        RowParallelLinear(in_features, out_features, bias, tp)
+        RowParallelLinear(in_features, out_features, bias, tp, reduce)
 
 
 def vocab_embedding(vocab_size: int, hidden: int, tp: TPGroup):

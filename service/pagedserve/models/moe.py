@@ -22,7 +22,7 @@ from torch import nn
 
 from ..kernels import elementwise_ref as ops
 from .config_checks import UnsupportedConfig
-from .layers import SINGLE, TPGroup
+from .layers import SINGLE, TPGroup, merged_column_linear, row_linear
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,12 @@ class ExpertMLP(nn.Module):
     ``swiglu_limit``, :func:`clamped_swiglu` instead of SiLU-and-mul."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, swiglu_limit: float | None = None,
-                 swiglu_alpha: float = 1.702):
+                 swiglu_alpha: float = 1.702, tp: TPGroup = SINGLE):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        # under tensor parallelism each rank holds its slice of the intermediate features; the down projection's
+        # partial products are summed over the experts and all-reduced once by the block
+        self.gate_up_proj = merged_column_linear(hidden, intermediate, 2, bias, tp)
+        self.down_proj = row_linear(intermediate, hidden, bias, tp, reduce=False)
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     def forward(self, x: torch.Tensor, elementwise: ops.ElementwiseOps = ops.TORCH_OPS) -> torch.Tensor:
@@ -79,16 +81,22 @@ class SparseMoeBlock(nn.Module):
     Parameters: ``gate`` ``[num_experts, hidden]`` (the router; HF ``mlp.gate.weight``), ``experts`` (a
     ``ModuleList`` of :class:`ExpertMLP`; HF ``mlp.experts.{e}.{gate,up,down}_proj``).
 
+    Tensor parallelism slices every expert (vLLM's and Megatron's expert tensor parallelism without expert
+    parallelism): each rank holds the router whole and ``intermediate_size / size`` of each expert's gate/up rows
+    and down columns; every rank routes alike, runs its slice of the same experts, sums the weighted partial outputs
+    and all-reduces that sum once per layer (the down projections' biases on rank 0 only).
+
     Raises:
-        UnsupportedConfig: at tensor-parallel size > 1 (experts are not sliced yet), or ``top_k`` outside
-            ``1..num_experts``.
+        UnsupportedConfig: ``top_k`` outside ``1..num_experts``, or a tensor-parallel size that does not divide
+            the experts' intermediate size.
     """
 
     def __init__(self, hidden: int, spec: MoeSpec, tp: TPGroup = SINGLE):
         super().__init__()
-        if tp.size > 1:
-            raise UnsupportedConfig("tensor_parallel_size: mixture-of-experts layers run at tensor-parallel size 1 "
-                                    "only")
+        if spec.intermediate_size % tp.size:
+            raise UnsupportedConfig(f"tensor_parallel_size {tp.size} does not divide the experts' intermediate "
+                                    f"size {spec.intermediate_size}")
+        self.tp = tp
         if not 1 <= spec.top_k <= spec.num_experts:
             raise UnsupportedConfig(f"num_experts_per_tok={spec.top_k}: must be within 1..{spec.num_experts}")
         self.num_experts, self.top_k, self.norm_topk_prob = spec.num_experts, spec.top_k, spec.norm_topk_prob
@@ -97,7 +105,7 @@ class SparseMoeBlock(nn.Module):
         if spec.router_bias:
             self.gate_bias = nn.Parameter(torch.zeros(spec.num_experts))
         self.experts = nn.ModuleList(ExpertMLP(hidden, spec.intermediate_size, spec.expert_bias, spec.swiglu_limit,
-                                               spec.swiglu_alpha) for _ in range(spec.num_experts))
+                                               spec.swiglu_alpha, tp) for _ in range(spec.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, top_k] in x's dtype, expert ids [T, top_k] int64)`` of each token."""
@@ -124,7 +132,8 @@ class SparseMoeBlock(nn.Module):
                 outs.append(expert(xs[start:start + n], elementwise))
             start += n
         ys = torch.cat(outs) * weights.flatten().index_select(0, order)[:, None]
-        return torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
+        out = torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 def moe_spec_from(cfg, num_experts_field: str, intermediate_field: str, norm_topk_prob: bool,
