@@ -110,7 +110,7 @@ def test_experts_that_do_not_split_refused_under_tensor_parallel():
 
     with pytest.raises(UnsupportedConfig, match=r"^tensor_parallel_size 3 does not divide the experts' "
                                                 r"intermediate size 32"):
-        _build(hf_config("qwen3-moe"), TPGroup(rank=0, size=3))
+        _build(hf_config("qwen3-moe", num_attention_heads=6, num_key_value_heads=3), TPGroup(rank=0, size=3))
 
 
 def test_whole_projection_qk_norm_refused_under_tensor_parallel():
