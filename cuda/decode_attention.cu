@@ -19,6 +19,11 @@
 // (transformers' sliding_window). The partitions then cover [lo, ctx) with lo = window_read_start(): the window's
 // first token rounded down to its cache block, so chunks stay inside blocks; the tokens of [lo, ctx - W) are
 // masked and zero-filled, and only the window's blocks are read.
+//
+// Soft-capping (softcap_log2 > 0, Gemma 2) maps each score before the softmax (attend_chunk). Attention sinks
+// (sinks_log2 non-null, gpt-oss): head h's softmax denominator gets one more term exp2(sinks_log2[h] - M), a logit
+// with no value row, added where the output is normalised: here with one partition, in the merge kernel otherwise
+// (the partitions' own outputs and statistics stay sink-free).
 #include "decode_chunk.cuh"
 
 // out:        [num_seqs, num_heads, HEAD_DIM], rows out_stride elements apart (written when gridDim.x == 1).
@@ -32,6 +37,8 @@
 // partition_size:   tokens per partition, a multiple of BLOCK_SIZE (>= the longest context read when gridDim.x == 1).
 // scale_log2:       softmax scale * log2(e).
 // sliding_window:   0 (every token of the context), or W > 0 (the last W tokens).
+// softcap_log2:     0 (none), or the scores' soft-cap * log2(e).
+// sinks_log2:       nullptr, or [num_heads] fp32, each head's sink logit * log2(e).
 // Dynamic shared memory: DecodeLayout::kSmemBytes.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GQA_TILE, int NUM_WARPS>
 __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
@@ -40,7 +47,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
                         const T* __restrict__ v_cache, const int* __restrict__ block_tables,
                         const int* __restrict__ context_lens, long long out_stride, long long q_stride,
                         int block_table_stride, int num_heads, int num_kv_heads, int partition_size,
-                        float scale_log2, int sliding_window) {
+                        float scale_log2, int sliding_window, float softcap_log2,
+                        const float* __restrict__ sinks_log2) {
   using namespace pagedserve;
   using L = DecodeLayout<T, HEAD_DIM, BLOCK_SIZE, GQA_TILE, NUM_WARPS>;
   constexpr int kThreads = NUM_WARPS * 32, kS = L::kStages;
@@ -120,7 +128,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
     ahead += kStride;
     ahead_phys = table_entry(ahead);
     cp_async_wait<kS - 1>();  // this lane's copies of chunk k have landed
-    attend_chunk<L, T, GQA_TILE>(st, q, ring + (k % kS) * 2 * L::kStageVecs, begin - chunk, end - chunk, row, lane);
+    attend_chunk<L, T, GQA_TILE>(st, q, ring + (k % kS) * 2 * L::kStageVecs, begin - chunk, end - chunk, row, lane,
+                                 softcap_log2);
   }
   cp_async_wait<0>();
 
@@ -168,6 +177,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
     }
     const int head = head_base + g;
     if (num_parts == 1) {
+      if (sinks_log2 != nullptr) {  // the sink's term, all relative to M = max(gmax, sink)
+        const float sink = sinks_log2[head], mx = fmaxf(gmax, sink), w = exp2f(gmax - mx);
+        o *= w;
+        total = total * w + exp2f(sink - mx);
+      }
       out[seq * out_stride + (long long)head * HEAD_DIM + d] = from_float<T>(o / total);
     } else {
       const long long p = ((long long)seq * num_heads + head) * num_parts + part;
@@ -183,13 +197,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (GQA_TILE >= 8 ? 2 : 3))
 // Combines the partitions of paged_decode_kernel (Flash-Decoding's reduction): with M the largest partition max,
 // out = sum_p w_p * o_p / sum_p w_p, w_p = sum_p * exp2(max_p - M), over the partitions that hold tokens.
 // Grid: (num_heads, num_seqs); block: HEAD_DIM threads (at most 256); dynamic shared memory: num_parts floats.
-// sliding_window and block_size: the decode kernel's (they say where its partitions start).
+// sliding_window and block_size: the decode kernel's (they say where its partitions start). sinks_log2: nullptr,
+// or [num_heads] fp32 sink logits * log2(e): the denominator gets exp2(sink - M) too, M including the sink.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256)
     paged_decode_merge_kernel(T* __restrict__ out, const float* __restrict__ part_out,
                               const float* __restrict__ part_max, const float* __restrict__ part_sum,
                               const int* __restrict__ context_lens, long long out_stride, int num_parts,
-                              int partition_size, int sliding_window, int block_size) {
+                              int partition_size, int sliding_window, int block_size,
+                              const float* __restrict__ sinks_log2) {
   using namespace pagedserve;
   extern __shared__ float s_weight[];
   const int head = blockIdx.x, num_heads = gridDim.x, seq = blockIdx.y;
@@ -200,10 +216,12 @@ __global__ void __launch_bounds__(256)
 
   float gmax = neg_inf();
   for (int p = 0; p < used; ++p) gmax = fmaxf(gmax, part_max[base + p]);
+  const float sink = sinks_log2 != nullptr ? sinks_log2[head] : neg_inf();
+  gmax = fmaxf(gmax, sink);
   for (int p = threadIdx.x; p < used; p += blockDim.x)
     s_weight[p] = part_sum[base + p] * exp2f(part_max[base + p] - gmax);
   __syncthreads();
-  float total = 0.f;
+  float total = sinks_log2 != nullptr ? exp2f(sink - gmax) : 0.f;
   for (int p = 0; p < used; ++p) total += s_weight[p];
   const float inv = total > 0.f ? 1.f / total : 0.f;
 

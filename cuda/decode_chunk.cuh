@@ -83,11 +83,13 @@ __device__ __forceinline__ void stage_chunk(uint4* stage, const T* k_cache, cons
 // then a butterfly over the lanes of the row), the chunk max over the warp, rescaling, and acc += p * V.
 // Rows [first_valid, valid_rows) of the chunk are attended to: valid_rows = tokens before the partition's end (>= 1),
 // first_valid = the sliding window's first token relative to the chunk (<= 0 without a window). A chunk may hold no
-// valid row (all before the window): it then adds nothing.
+// valid row (all before the window): it then adds nothing. softcap_log2 > 0: each score s (log2 domain) becomes
+// softcap_log2 * tanh(s / softcap_log2), Gemma 2's c * tanh(x / c) with c = softcap * log2(e).
 template <typename L, typename T, int GQA_TILE>
 __device__ __forceinline__ void attend_chunk(SoftmaxState<GQA_TILE, L::kElems>& st,
                                              const float (&q)[GQA_TILE][L::kElems], const uint4* stage,
-                                             int first_valid, int valid_rows, int row, int lane) {
+                                             int first_valid, int valid_rows, int row, int lane,
+                                             float softcap_log2) {
   float sc[L::kSteps][GQA_TILE];
 #pragma unroll
   for (int s = 0; s < L::kSteps; ++s) {
@@ -107,6 +109,7 @@ __device__ __forceinline__ void attend_chunk(SoftmaxState<GQA_TILE, L::kElems>& 
 #pragma unroll
       for (int e = 0; e < L::kElems; ++e) dot = fmaf(q[g][e], kf[e], dot);
       dot = warp_sum_range<1, L::kLanesPerRow>(dot);
+      if (softcap_log2 > 0.f) dot = softcap_log2 * tanhf(dot / softcap_log2);
       sc[s][g] = valid ? dot : neg_inf();
     }
   }

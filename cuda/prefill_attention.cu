@@ -49,6 +49,8 @@ __device__ __forceinline__ void load_kv_tile(T* tile, const T* cache, const int*
 // context_lens:    [num_seqs] int32 (cached + new tokens). query_start_loc: [num_seqs + 1] int32.
 // seq_offset:      index of the first prefill sequence (decodes come first). scale_log2: scale * log2(e).
 // sliding_window:  0 (causal over the whole context), or W > 0.
+// softcap_log2:    0, or the scores' soft-cap * log2(e) (Gemma 2: s -> c tanh(s / c) before the mask).
+// sinks_log2:      nullptr, or [num_heads] fp32 sink logits * log2(e) (gpt-oss: one more denominator term).
 // Dynamic shared memory: (16 * NUM_WARPS + 2 * BLOCK_N) * HEAD_DIM * sizeof(T) bytes.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int NUM_WARPS, int BLOCK_N>
 __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
@@ -56,7 +58,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
                          const T* __restrict__ v_cache, const int* __restrict__ block_tables,
                          const int* __restrict__ context_lens, const int* __restrict__ query_start_loc,
                          long long out_stride, long long q_stride, int block_table_stride, int num_heads,
-                         int num_kv_heads, int seq_offset, float scale_log2, int sliding_window) {
+                         int num_kv_heads, int seq_offset, float scale_log2, int sliding_window,
+                         float softcap_log2, const float* __restrict__ sinks_log2) {
   using namespace pagedserve;
   constexpr int kThreads = NUM_WARPS * 32, kBlockM = 16 * NUM_WARPS;
   constexpr int kChunks = HEAD_DIM / 8, kKSteps = HEAD_DIM / 16, kNTiles = BLOCK_N / 8, kDTiles = HEAD_DIM / 8;
@@ -163,6 +166,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + n * 8 + 2 * t + (e & 1);
           float v = s[n][e] * scale_log2;
+          if (softcap_log2 > 0.f) v = softcap_log2 * tanhf(v / softcap_log2);
           const int pos = e < 2 ? pos0 : pos1;
           if (need_mask && (key > pos || (sliding_window > 0 && key <= pos - sliding_window))) v = neg_inf();
           s[n][e] = v;
@@ -228,7 +232,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, (HEAD_DIM > 128 ? 1 : 2))
 
   l_run0 = warp_sum_range<1, 4>(l_run0);
   l_run1 = warp_sum_range<1, 4>(l_run1);
-  const float inv0 = l_run0 > 0.f ? 1.f / l_run0 : 0.f, inv1 = l_run1 > 0.f ? 1.f / l_run1 : 0.f;
+  float w0 = 1.f, w1 = 1.f;   // with a sink: everything relative to M = max(m, sink), plus the sink's term
+  if (sinks_log2 != nullptr) {
+    const float sink = sinks_log2[head], mx0 = fmaxf(m_run0, sink), mx1 = fmaxf(m_run1, sink);
+    w0 = exp2f(m_run0 - mx0);
+    w1 = exp2f(m_run1 - mx1);
+    l_run0 = l_run0 * w0 + exp2f(sink - mx0);
+    l_run1 = l_run1 * w1 + exp2f(sink - mx1);
+  }
+  const float inv0 = l_run0 > 0.f ? w0 / l_run0 : 0.f, inv1 = l_run1 > 0.f ? w1 / l_run1 : 0.f;
   const int r0 = m0 + warp_row0 + g, r1 = r0 + 8;  // rows within the sequence's new tokens
   T* out_head = out + (long long)head * HEAD_DIM + 2 * t;
 #pragma unroll

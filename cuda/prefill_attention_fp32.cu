@@ -14,7 +14,8 @@ __global__ void __launch_bounds__(128)
                               const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                               const int* __restrict__ query_start_loc, long long out_stride, long long q_stride,
                               int block_table_stride, int num_heads, int num_kv_heads, int seq_offset,
-                              float scale_log2, int sliding_window) {
+                              float scale_log2, int sliding_window, float softcap_log2,
+                              const float* __restrict__ sinks_log2) {
   using namespace pagedserve;
   constexpr int kRows = 4, kBlockM = 16, kBlockN = 32, kPad = HEAD_DIM + 1, kPerLane = HEAD_DIM / 32;
   extern __shared__ float4 smem_f4[];
@@ -75,6 +76,9 @@ __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int r = 0; r < kRows; ++r) sc[r] = fmaf(s_q[(warp * kRows + r) * HEAD_DIM + d], k, sc[r]);
     }
+    if (softcap_log2 > 0.f)   // Gemma 2's soft-cap, in the log2 domain
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) sc[r] = softcap_log2 * tanhf(sc[r] / softcap_log2);
     float p[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -107,7 +111,13 @@ __global__ void __launch_bounds__(128)
   for (int r = 0; r < kRows; ++r) {
     const int row = m0 + warp * kRows + r;
     if (row >= q_len) continue;
-    const float inv = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
+    float w = 1.f, l = l_run[r];
+    if (sinks_log2 != nullptr) {   // gpt-oss's sink: one more denominator term, relative to M = max(m, sink)
+      const float sink = sinks_log2[head], mx = fmaxf(m_run[r], sink);
+      w = exp2f(m_run[r] - mx);
+      l = l * w + exp2f(sink - mx);
+    }
+    const float inv = l > 0.f ? w / l : 0.f;
     float* dst = out + (long long)(q_begin + row) * out_stride + (long long)head * HEAD_DIM;
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) dst[lane + 32 * e] = o[r][e] * inv;

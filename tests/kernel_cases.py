@@ -39,11 +39,18 @@ def assert_attention_close(out, ref, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
-def check_decode(device, dtype, head_dim, block_size, cases, max_seqs_256: int | None = None, window=None):
+def head_sinks(heads: int, device, seed: int = 5) -> torch.Tensor:
+    """Random per-head sink logits (gpt-oss's attention sinks), about the scores' size, float32."""
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2).to(device)
+
+
+def check_decode(device, dtype, head_dim, block_size, cases, max_seqs_256: int | None = None, window=None,
+                 softcap=None, sinks=False):
     """``cases``: (context lengths, num_heads, num_kv_heads). Query rows are strided views of a fused QKV
     projection, the output starts as NaN, block tables scatter each sequence over random physical blocks. With a
     ``window``, the block-table entries before each context's window read (outside the blocks it may touch) point
-    far outside the cache, so a kernel that read one would fault (on the emulator: stop)."""
+    far outside the cache, so a kernel that read one would fault (on the emulator: stop). ``softcap``: the scores'
+    soft-cap; ``sinks``: random per-head sink logits (:func:`head_sinks`)."""
     for i, (ctx, heads, kv_heads) in enumerate(cases):
         if head_dim == 256 and max_seqs_256 is not None:
             ctx = ctx[:max_seqs_256]  # bounds the reference's dense gather
@@ -58,21 +65,25 @@ def check_decode(device, dtype, head_dim, block_size, cases, max_seqs_256: int |
             tables = tables.clone()
             for s, c in enumerate(ctx):
                 tables[s, :(c - geo.window_read_len(c, window, block_size)) // block_size] = 1 << 30
+        sink = head_sinks(heads, device) if sinks else None
         kernels.paged_decode_attention(out, query, k_cache, v_cache, tables, meta.context_lens, scale,
-                                       context_lens_cpu=ctx, sliding_window=window)
-        ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, sliding_window=window)
+                                       context_lens_cpu=ctx, sliding_window=window, softcap=softcap, sinks=sink)
+        ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, sliding_window=window,
+                                            softcap=softcap, sinks=sink)
         assert_attention_close(out, ref, dtype)
 
 
 def check_decode_partitions(device, dtype, ctx, heads, kv_heads, head_dim, block_size, sizes, num_sms=132,
-                            window=None):
+                            window=None, softcap=None, sinks=False):
     """The same batch through each forced split-K partition size in ``sizes`` (None: the automatic plan) equals
     the reference (under ``window``: the window's tokens split); returns the automatic plan."""
     num_blocks = blocks_needed(ctx, block_size) + 1
     k_cache, v_cache = make_caches(num_blocks, block_size, kv_heads, head_dim, dtype, device, seed=7)
     meta = make_meta(ctx, [1] * len(ctx), block_size, num_blocks, device, seed=7)
     query = torch.randn(len(ctx), heads, head_dim, device=device).to(dtype)
-    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, 0.1, sliding_window=window)
+    sink = head_sinks(heads, device) if sinks else None
+    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, 0.1, sliding_window=window, softcap=softcap,
+                                        sinks=sink)
     name = geo.dtype_name(dtype)
     auto = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, num_sms=num_sms,
                            sliding_window=window or 0)
@@ -81,7 +92,7 @@ def check_decode_partitions(device, dtype, ctx, heads, kv_heads, head_dim, block
                                partition_size=size or auto.partition_size, sliding_window=window or 0)
         out = torch.empty_like(query)
         kernels.paged_decode_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.1,
-                                       plan=plan, sliding_window=window)
+                                       plan=plan, sliding_window=window, softcap=softcap, sinks=sink)
         assert_attention_close(out, ref, dtype)
     return auto
 
@@ -117,9 +128,10 @@ def check_decode_fixed(device, dtype, head_dim, block_size, ctx, heads, kv_heads
 
 
 def check_prefill(device, dtype, head_dim, block_size, prefix, new, decode_ctx=(3000, 1), heads_kv=None,
-                  window=None):
+                  window=None, softcap=None, sinks=False):
     """Decodes first (``decode_ctx``), then prefill chunks of ``new`` tokens after cached prefixes of ``prefix``
-    tokens, under a sliding ``window`` or none; the decode rows of ``out`` must stay untouched."""
+    tokens, under a sliding ``window`` or none (``softcap``, ``sinks``: as for :func:`check_decode`); the decode
+    rows of ``out`` must stay untouched."""
     ctx = list(decode_ctx) + [p + n for p, n in zip(prefix, new)]
     q_lens = [1] * len(decode_ctx) + list(new)
     heads, kv_heads = heads_kv or ((8, 2) if head_dim == 256 else (12, 4))
@@ -130,10 +142,13 @@ def check_prefill(device, dtype, head_dim, block_size, prefix, new, decode_ctx=(
     scale = head_dim ** -0.5
     out = torch.full_like(query, float("nan"))
     nd = meta.num_decode_seqs
+    sink = head_sinks(heads, device) if sinks else None
     kernels.paged_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                     meta.query_start_loc, scale, seq_offset=nd, num_prefill_seqs=len(ctx) - nd,
-                                    max_query_len=meta.max_query_len, sliding_window=window)
-    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, sliding_window=window)
+                                    max_query_len=meta.max_query_len, sliding_window=window, softcap=softcap,
+                                    sinks=sink)
+    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, scale, sliding_window=window,
+                                        softcap=softcap, sinks=sink)
     assert torch.isnan(out[:nd]).all(), "decode rows are not the prefill kernel's to write"
     assert_attention_close(out[nd:], ref[nd:], dtype)
 

@@ -107,6 +107,27 @@ def test_prefill_sliding_window_matches_reference(sim, config, window):
                      new=[70, 5, 130, 150, 1], decode_ctx=(300, 1), heads_kv=(4, 2), window=window)
 
 
+# Soft-capped scores (Gemma 2) and attention sinks (gpt-oss), alone and with a window, on every dtype.
+SOFTCAP_SINKS = [(torch.float16, 1.0, False, None), (torch.bfloat16, None, True, None),
+                 (torch.float32, 0.8, True, 100), (torch.float16, None, True, 33)]
+
+
+@pytest.mark.parametrize("dtype,softcap,sinks,window", SOFTCAP_SINKS, ids=str)
+def test_decode_softcap_and_sinks_match_reference(sim, dtype, softcap, sinks, window):
+    """Decodes with a soft-cap (each score c tanh(s / c)) and sink logits (one more denominator term per head):
+    one partition and forced split-K partitions (the merge kernel adds the sink), against the reference."""
+    kc.check_decode(CPU, dtype, 128, 16, DECODE_CASES[:3], window=window, softcap=softcap, sinks=sinks)
+    kc.check_decode_partitions(CPU, dtype, [1, 33, 1500, 600], 8, 2, 128, 16, (32, None), window=window,
+                               softcap=softcap, sinks=sinks)
+
+
+@pytest.mark.parametrize("dtype,softcap,sinks,window", SOFTCAP_SINKS, ids=str)
+def test_prefill_softcap_and_sinks_match_reference(sim, dtype, softcap, sinks, window):
+    """Prefill chunks (tensor cores for fp16/bf16, the fp32 kernel) with a soft-cap and sink logits."""
+    kc.check_prefill(CPU, dtype, 128, 16, prefix=[32, 0, 150], new=[70, 100, 1], decode_ctx=(300,),
+                     heads_kv=(4, 2), window=window, softcap=softcap, sinks=sinks)
+
+
 @pytest.mark.parametrize("dtype,head_dim,block_size", PREFILL_CONFIGS, ids=str)
 def test_prefill_matches_reference(sim, dtype, head_dim, block_size):
     """Prefill chunks after cached prefixes (block-aligned, unaligned, none), a chunk longer than one 64-row tile,
@@ -217,6 +238,29 @@ def test_planted_sliding_window_bug_is_caught(old, new, check):
                                  window=7)
 
 
+@pytest.mark.parametrize("old,new,check", [
+    # decode: the soft-cap dropped
+    ("if (softcap_log2 > 0.f) dot = softcap_log2 * tanhf(dot / softcap_log2);", "", "decode-cap"),
+    # decode merge: the sink's term left out of the denominator
+    ("float total = sinks_log2 != nullptr ? exp2f(sink - gmax) : 0.f;", "float total = 0.f;", "merge-sink"),
+    # prefill (tensor cores): the sink's term left out
+    ("l_run0 = l_run0 * w0 + exp2f(sink - mx0);", "l_run0 = l_run0 * w0;", "prefill-sink"),
+    # prefill (fp32): the soft-cap dropped
+    ("sc[r] = softcap_log2 * tanhf(sc[r] / softcap_log2);", "sc[r] = sc[r];", "prefill32-cap"),
+], ids=["decode-softcap", "merge-sink", "prefill-sink", "prefill32-softcap"])
+def test_planted_softcap_and_sink_bugs_are_caught(old, new, check):
+    with Simulator(transform=planted(old, new)).install():
+        with pytest.raises(AssertionError):
+            if check == "decode-cap":
+                kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3], softcap=1.0)
+            elif check == "merge-sink":
+                kc.check_decode_partitions(CPU, torch.float16, [1500, 600], 8, 2, 128, 16, (32,), sinks=True)
+            else:
+                dtype = torch.bfloat16 if check == "prefill-sink" else torch.float32
+                kc.check_prefill(CPU, dtype, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1),
+                                 softcap=1.0 if check == "prefill32-cap" else None, sinks=check == "prefill-sink")
+
+
 def test_planted_out_of_bounds_read_is_caught():
     """The decode kernel reads block-table entries for chunks past the context end (it must not): for the last
     sequence that runs past the table tensor, and the emulator stops the launch."""
@@ -240,7 +284,7 @@ def test_decode_traps_on_too_little_shared_memory():
     ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
     args = (ptr(q), np.uint64(0), np.uint64(0), np.uint64(0), ptr(q), ptr(cache), ptr(cache), ptr(table), ptr(lens),
             np.int64(512), np.int64(512), np.int32(3), np.int32(4), np.int32(4), np.int32(plan.partition_size),
-            np.float32(1.0), np.int32(0))
+            np.float32(1.0), np.int32(0), np.float32(0.0), np.uint64(0))
     name = geo.decode_kernel_name(dtype, 128, 16, plan.gqa_tile)
     key = ModuleKey("decode", dtype, 128, 16, "simt")
     sim.launch(key, name, CPU, plan.grid, plan.block, args, plan.smem_bytes)  # the right size runs

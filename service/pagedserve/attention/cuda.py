@@ -3,8 +3,9 @@
 Same semantics as :class:`pagedserve.attention.torch_ref.TorchAttentionBackend` (the oracle): reshape_and_cache
 writes the step's new K/V rows, then the first ``num_decode_seqs`` sequences (one new token each) run the paged
 decode kernel (GQA-tiled, split-K) and the rest run the paged prefill kernel (causal over the cached prefix and
-the new tokens); a layer's sliding window goes to both kernels. The decode launch plan depends only on the step's
-metadata and the window, so it is computed once per step and window and reused by every layer of that window. Under CUDA graph capture (``meta.fixed_context_capacity`` set) the decode plan is the
+the new tokens); a layer's sliding window, soft-cap (Gemma 2) and attention sinks (gpt-oss) go to both kernels. The
+decode launch plan depends only on the step's metadata and the window, so it is computed once per step and window
+and reused by every layer of that window. Under CUDA graph capture (``meta.fixed_context_capacity`` set) the decode plan is the
 fixed grid of :func:`pagedserve.kernels.geometry.plan_decode_fixed`, which depends only on the batch size and the
 capacity, so a replay with other context lengths launches the same geometry.
 """
@@ -24,7 +25,6 @@ class CudaAttentionBackend(AttentionBackend):
     name = "cuda"
     supports_cuda_graphs = True  # fixed-grid decode plan under meta.fixed_context_capacity; no host reads
     elementwise = kernels.CUDA_OPS  # fused RMSNorm + residual, rotary, SiLU-and-mul from cuda/elementwise.cu
-    features = frozenset({"sliding_window"})   # no soft-capping or sinks in cuda/ yet
 
     def __init__(self) -> None:
         self._plan_meta: object | None = None   # the step (its metadata, or its KV groups' list) planned for
@@ -56,10 +56,7 @@ class CudaAttentionBackend(AttentionBackend):
 
         Raises:
             ValueError: on a dtype, shape, stride or device mismatch (before any kernel runs).
-            NotImplementedError: ``softcap`` or ``sinks`` (not in the kernels of ``cuda/`` yet).
         """
-        if softcap is not None or sinks is not None:
-            raise NotImplementedError("softcap / sinks: the CUDA attention kernels do not run them yet")
         if query.dim() != 3 or key.dim() != 3 or key.shape != value.shape or key.shape[0] != query.shape[0]:
             raise ValueError(f"query/key/value: bad shapes {tuple(query.shape)}, {tuple(key.shape)}, "
                              f"{tuple(value.shape)}")
@@ -76,13 +73,14 @@ class CudaAttentionBackend(AttentionBackend):
             plan = self._decode_plan(meta, query.dtype, query.shape[1], num_kv_heads, head_dim, block_size,
                                      query.device, window)
             kernels.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.block_tables,
-                                           meta.context_lens, scale, plan=plan, sliding_window=window or None)
+                                           meta.context_lens, scale, plan=plan, sliding_window=window or None,
+                                           softcap=softcap, sinks=sinks)
         if nd < num_seqs:
             max_query_len = max(meta.query_lens_cpu[nd:])
             kernels.paged_prefill_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                             meta.query_start_loc, scale, seq_offset=nd,
                                             num_prefill_seqs=num_seqs - nd, max_query_len=max_query_len,
-                                            sliding_window=window or None)
+                                            sliding_window=window or None, softcap=softcap, sinks=sinks)
         return out
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

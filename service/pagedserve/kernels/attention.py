@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from . import geometry as geo
-from .checks import check_attention, check_sliding_window, check_tensor, log2e_scale
+from .checks import check_attention, check_sliding_window, check_tensor, log2e_scale, softcap_sinks_log2
 from .geometry import DecodePlan, plan_decode
 from .runtime import current_runtime, module_key
 
@@ -15,7 +15,8 @@ from .runtime import current_runtime, module_key
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            context_lens_cpu: list[int] | None = None, plan: DecodePlan | None = None,
-                           sliding_window: int | None = None) -> None:
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> None:
     """Decode attention: each of ``S = query.shape[0]`` sequences has one new token attending to its whole
     context through its block table, or to its last ``sliding_window`` tokens (GQA-tiled, split-K with a
     log-sum-exp merge for long contexts).
@@ -27,6 +28,8 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
         scale: softmax scale. context_lens_cpu: host copy of the S context lengths (for the split plan), or
         ``plan`` from :func:`pagedserve.kernels.geometry.plan_decode` (reusable across a step's layers of the same
         window). sliding_window: None, or the keys each query sees counting its own.
+        softcap: None, or Gemma 2's soft-cap of the scores. sinks: None, or ``[num_heads]`` gpt-oss sink logits
+        (:meth:`pagedserve.attention.base.AttentionBackend.forward`).
 
     Raises:
         ValueError: on a dtype, shape, stride, alignment or device problem, a window below 1, or a plan made for
@@ -43,6 +46,8 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
     ptr = rt.pointer
     device = rt.check_device(out=out, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                              context_lens=context_lens)
+    cap_log2, sinks_log2 = softcap_sinks_log2(softcap, sinks, query.shape[1] if num_seqs else 0, out.device)
+    sinks_ptr = np.uint64(0) if sinks_log2 is None else ptr(sinks_log2)
     if num_seqs == 0:
         return
     if num_seqs > 65535:
@@ -68,12 +73,12 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
     args = (ptr(out), *part_ptrs, ptr(query), ptr(k_cache), ptr(v_cache), ptr(block_tables),
             ptr(context_lens), np.int64(out.stride(0)), np.int64(query.stride(0)), np.int32(block_tables.stride(0)),
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(plan.partition_size), np.float32(scale_log2),
-            np.int32(window))
+            np.int32(window), np.float32(cap_log2), sinks_ptr)
     rt.launch(key, geo.decode_kernel_name(dtype, head_dim, block_size, plan.gqa_tile), device, plan.grid,
               plan.block, args, plan.smem_bytes)
     if parts > 1:
         merge_args = (ptr(out), *part_ptrs, ptr(context_lens), np.int64(out.stride(0)), np.int32(parts),
-                      np.int32(plan.partition_size), np.int32(window), np.int32(block_size))
+                      np.int32(plan.partition_size), np.int32(window), np.int32(block_size), sinks_ptr)
         rt.launch(key, geo.decode_merge_kernel_name(dtype, head_dim), device, plan.merge_grid, plan.merge_block,
                   merge_args, plan.merge_smem_bytes)
 
@@ -81,7 +86,8 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, *, seq_offset: int, num_prefill_seqs: int, max_query_len: int,
-                            sliding_window: int | None = None) -> None:
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> None:
     """Causal attention of the new tokens of sequences ``seq_offset .. seq_offset + num_prefill_seqs - 1`` over
     their cached prefix and themselves (tensor cores for fp16/bf16, a scalar kernel for fp32); under a
     ``sliding_window`` W a token at position p sees keys p - W + 1 .. p only.
@@ -91,6 +97,7 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
             ``out`` are written. query_start_loc: ``[>= seq_offset + num_prefill_seqs + 1]`` int32.
         k_cache, v_cache, block_tables, context_lens: as for :func:`paged_decode_attention` (cache already holds
             the new rows). max_query_len: host int >= every prefill sequence's query length.
+        softcap, sinks: as for :func:`paged_decode_attention`.
 
     Raises:
         ValueError: on a dtype, shape, stride, alignment or device problem, or a window below 1 (before any CUDA
@@ -109,6 +116,7 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
     ptr = rt.pointer
     device = rt.check_device(out=out, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                              context_lens=context_lens, query_start_loc=query_start_loc)
+    cap_log2, sinks_log2 = softcap_sinks_log2(softcap, sinks, query.shape[1], out.device)
     if num_prefill_seqs <= 0 or max_query_len <= 0:
         return
     num_heads = query.shape[1]
@@ -116,6 +124,6 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
     args = (ptr(out), ptr(query), ptr(k_cache), ptr(v_cache), ptr(block_tables), ptr(context_lens),
             ptr(query_start_loc), np.int64(out.stride(0)), np.int64(query.stride(0)), np.int32(block_tables.stride(0)),
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(seq_offset), np.float32(scale_log2),
-            np.int32(window))
+            np.int32(window), np.float32(cap_log2), np.uint64(0) if sinks_log2 is None else ptr(sinks_log2))
     key = module_key(rt, device, "prefill", dtype, head_dim, block_size)
     rt.launch(key, geo.prefill_kernel_name(dtype, head_dim, block_size), device, g.grid, g.block, args, g.smem_bytes)
