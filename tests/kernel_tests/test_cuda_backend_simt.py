@@ -55,3 +55,40 @@ def test_beam_search_copy_on_write_matches_torch_backend(sim):
     before = sum(1 for name, *_ in sim.launches if name.startswith("copy_blocks_kernel"))
     bc.check_beam_backends_agree(model, cfg, tokenizer, "cpu", cuda_backend=CudaAttentionBackend())
     assert sum(1 for name, *_ in sim.launches if name.startswith("copy_blocks_kernel")) > before
+
+
+@pytest.mark.parametrize("label", ["gemma2", "gpt-oss"])
+def test_softcap_and_sink_families_match_transformers(sim, tmp_path, label):
+    """Gemma 2 (soft-capped scores, alternating windows, KV layer groups) and gpt-oss (attention sinks, experts)
+    through the engine on the emulated CUDA backend: greedy tokens equal transformers' (head_dim 64, three prompts,
+    64-token chunks: the fp32 prefill kernel and the decode kernel both run the layers' options)."""
+    import random
+
+    from backend_cases import word_tokenizer
+    from family_cases import hf_config, hf_greedy, save_random_checkpoint
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
+    from pagedserve.models.loader import ModelSource
+    from pagedserve.models.registry import build_model
+    from pagedserve.sampling_params import SamplingParams
+
+    hf = save_random_checkpoint(hf_config(label, head_dim=64), tmp_path)
+    src = ModelSource.resolve(str(tmp_path))
+    cfg = src.load_config()
+    model = build_model(src, cfg, torch.float32, "cpu")
+    config = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64,
+                          max_num_seqs=4, enforce_eager=True)
+    engine, _ = build_engine(config, model=model, tokenizer=word_tokenizer(256), hf_config=cfg,
+                             backend=CudaAttentionBackend())
+    rng = random.Random(8)
+    prompts = [rng.choices(range(2, 256), k=n) for n in (7, 45, 130)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id] += delta.token_ids
+    assert out == {f"r{i}": hf_greedy(hf, ids, 4) for i, ids in enumerate(prompts)}
+    launched = {name.split("<")[0] for name, *_ in sim.launches}
+    assert {"paged_decode_kernel", "paged_prefill_fp32_kernel"} <= launched

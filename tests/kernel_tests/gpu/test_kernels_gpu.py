@@ -49,6 +49,16 @@ def test_sliding_window_matches_reference(dtype, window):
     kc.check_prefill(DEV, dtype, 128, 16, **kc.gpu_prefill_case(16), window=window)
 
 
+@pytest.mark.parametrize("softcap,sinks", [(1.0, False), (None, True), (0.8, True)])
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_softcap_and_sinks_match_reference(dtype, softcap, sinks):
+    """Decode (with split-K) and prefill with Gemma 2's soft-cap and gpt-oss's sink logits against the reference."""
+    kc.check_decode(DEV, dtype, 128, 16, kc.GPU_DECODE_CASES, softcap=softcap, sinks=sinks)
+    kc.check_decode_partitions(DEV, dtype, [1, 33, 1500, 600], 8, 2, 128, 16, (32, None), softcap=softcap,
+                               sinks=sinks)
+    kc.check_prefill(DEV, dtype, 128, 16, **kc.gpu_prefill_case(16), softcap=softcap, sinks=sinks)
+
+
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
 def test_reshape_and_cache_is_exact(dtype):
     kc.check_reshape_and_cache(DEV, dtype)
