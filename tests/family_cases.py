@@ -78,6 +78,20 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[len(ids):]
 
 
+def engine_greedy(engine, prompts: list[list[int]], n: int) -> dict[str, list[int]]:
+    """``n`` greedy tokens per prompt through ``engine`` (all added at once, ids ``r0``, ``r1``, ...)."""
+    from pagedserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id] += delta.token_ids
+    return out
+
+
 def save_random_checkpoint(cfg, path, train_steps: int = 0) -> torch.nn.Module:
     """HF's own model of ``cfg`` with seeded random weights (then ``train_steps`` of :func:`train_briefly`), saved to
     ``path``; returns it (eval mode)."""

@@ -65,12 +65,11 @@ def test_softcap_and_sink_families_match_transformers(sim, tmp_path, label):
     import random
 
     from backend_cases import word_tokenizer
-    from family_cases import hf_config, hf_greedy, save_random_checkpoint
+    from family_cases import engine_greedy, hf_config, hf_greedy, save_random_checkpoint
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
     from pagedserve.models.loader import ModelSource
     from pagedserve.models.registry import build_model
-    from pagedserve.sampling_params import SamplingParams
 
     hf = save_random_checkpoint(hf_config(label, head_dim=64), tmp_path)
     src = ModelSource.resolve(str(tmp_path))
@@ -82,13 +81,7 @@ def test_softcap_and_sink_families_match_transformers(sim, tmp_path, label):
                              backend=CudaAttentionBackend())
     rng = random.Random(8)
     prompts = [rng.choices(range(2, 256), k=n) for n in (7, 45, 130)]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out[delta.request_id] += delta.token_ids
+    out = engine_greedy(engine, prompts, 4)
     assert out == {f"r{i}": hf_greedy(hf, ids, 4) for i, ids in enumerate(prompts)}
     launched = {name.split("<")[0] for name, *_ in sim.launches}
     assert {"paged_decode_kernel", "paged_prefill_fp32_kernel"} <= launched

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from family_cases import FAMILIES, hf_config, hf_greedy, save_random_checkpoint
+from family_cases import FAMILIES, engine_greedy, hf_config, hf_greedy, save_random_checkpoint
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -86,7 +86,6 @@ def test_greedy_through_engine_matches_transformers(family, backend):
     from backend_cases import word_tokenizer
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
-    from pagedserve.sampling_params import SamplingParams
 
     label, hf, model, cfg = family
     cap, max_tokens = _prompt_cap(model), 6
@@ -108,13 +107,7 @@ def test_greedy_through_engine_matches_transformers(family, backend):
     assert (info.num_experts, info.num_experts_per_token) == (experts, getattr(cfg, "num_experts_per_tok", 0) if
                                                               experts else 0)
     assert (info.num_layers, info.num_kv_heads, info.head_dim) == (3, 2, model.head_dim)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            out[delta.request_id] += delta.token_ids
+    out = engine_greedy(engine, prompts, max_tokens)
     assert out == {f"r{i}": hf_greedy(hf, ids, max_tokens) for i, ids in enumerate(prompts)}
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
