@@ -21,16 +21,23 @@ CASES = [  # (context lens, query lens, heads, kv heads, head_dim, block size)
 ]
 
 
-@pytest.mark.parametrize("window", [None, 1, 6, 40])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference_backend(case, window):
-    """Mixed steps, full attention and sliding windows (one key, inside a block, across blocks)."""
+def _mixed_step(case: int):
+    """Case ``case`` of CASES as ``(metadata, [k_cache, v_cache], (q, k, v), the generator that made the caches)``,
+    float32 on CPU."""
     ctx, qlens, h, hkv, d, bs = CASES[case]
     num_blocks = sum(-(-c // bs) for c in ctx) + 3
     meta = make_meta(ctx, qlens, bs, num_blocks, "cpu", seed=case)
     gen = torch.Generator().manual_seed(case)
     caches = [torch.randn(num_blocks, bs, hkv, d, generator=gen) for _ in range(2)]
-    q, k, v = random_qkv(sum(qlens), h, hkv, d, torch.float32, "cpu", seed=case)
+    return meta, caches, random_qkv(sum(qlens), h, hkv, d, torch.float32, "cpu", seed=case), gen
+
+
+@pytest.mark.parametrize("window", [None, 1, 6, 40])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference_backend(case, window):
+    """Mixed steps, full attention and sliding windows (one key, inside a block, across blocks)."""
+    meta, caches, (q, k, v), gen = _mixed_step(case)
+    h, d = q.shape[1], q.shape[2]
     ref_caches = [c.clone() for c in caches]
     ref = TorchAttentionBackend().forward(q, k, v, *ref_caches, meta, d ** -0.5, window)
     got = CpuAttentionBackend().forward(q, k, v, *caches, meta, d ** -0.5, window)
@@ -44,12 +51,8 @@ def test_matches_reference_backend(case, window):
 def test_softcap_and_sinks_match_reference_backend(case, window):
     """Gemma 2's soft-capped scores and gpt-oss's sink logits, alone and together: the C++ decode rows and the
     reference's prefill rows against the reference backend."""
-    ctx, qlens, h, hkv, d, bs = CASES[case]
-    num_blocks = sum(-(-c // bs) for c in ctx) + 3
-    meta = make_meta(ctx, qlens, bs, num_blocks, "cpu", seed=case)
-    gen = torch.Generator().manual_seed(case)
-    caches = [torch.randn(num_blocks, bs, hkv, d, generator=gen) for _ in range(2)]
-    q, k, v = random_qkv(sum(qlens), h, hkv, d, torch.float32, "cpu", seed=case)
+    meta, caches, (q, k, v), gen = _mixed_step(case)
+    h, d = q.shape[1], q.shape[2]
     sinks = torch.randn(h, generator=gen) * 2
     for softcap, sink in ((1.5, None), (None, sinks), (0.7, sinks)):
         ref_caches, got_caches = [c.clone() for c in caches], [c.clone() for c in caches]

@@ -16,9 +16,9 @@ import torch
 
 from ..kernels.cpu_build import cpu_kernel_ops
 from ..kernels.cpu_elementwise import CPU_OPS
-from ..kernels.checks import check_sliding_window
+from ..kernels.checks import check_sliding_window, check_softcap_sinks
 from .base import AttentionMetadata
-from .torch_ref import TorchAttentionBackend, check_softcap_sinks, paged_attention_ref
+from .torch_ref import TorchAttentionBackend, paged_attention_ref
 
 
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # what the C++ kernels read and write (F16C)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..kernels.checks import check_sliding_window
+from ..kernels.checks import check_sliding_window, check_softcap_sinks
 from .base import AttentionBackend, AttentionMetadata
 
 
@@ -175,17 +175,6 @@ def plan_step(meta: AttentionMetadata, block_size: int) -> StepPlan:
 
 #: query rows of one prefill chunk scored at once by :func:`softmax_attention` (bounds its float32 score matrix)
 MATH_QUERY_ROWS = 256
-
-
-def check_softcap_sinks(softcap: float | None, sinks: torch.Tensor | None, num_heads: int) -> None:
-    """Raises ValueError: ``softcap`` not None and not > 0, or ``sinks`` not a ``[num_heads]`` float tensor."""
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-                                    and softcap > 0):
-        raise ValueError(f"softcap: {softcap!r} must be None or a number > 0")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,)
-                              or not sinks.dtype.is_floating_point):
-        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"sinks: expected a float tensor [{num_heads}] (one logit per query head), got {shape}")
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -85,21 +85,28 @@ def log2e_scale(scale: float) -> float:
     return float(scale) * math.log2(math.e)
 
 
+def check_softcap_sinks(softcap: float | None, sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Raises ValueError: ``softcap`` not None and not a finite number > 0, or ``sinks`` not ``[num_heads]``
+    floats (one logit per query head)."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap: {softcap!r} must be None or a finite number > 0")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,)
+                              or not sinks.dtype.is_floating_point):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks: expected a float tensor [{num_heads}] (one logit per query head), got {shape}")
+
+
 def softcap_sinks_log2(softcap: float | None, sinks: torch.Tensor | None, num_heads: int, device
                       ) -> tuple[float, torch.Tensor | None]:
     """``(softcap * log2(e) or 0, sinks * log2(e) as contiguous float32 [num_heads] on device, or None)``: the
     kernels' log2-domain forms of a soft-cap and of attention sinks.
 
     Raises:
-        ValueError: ``softcap`` not None and not a finite number > 0, or ``sinks`` not ``[num_heads]`` floats.
+        ValueError: see :func:`check_softcap_sinks`.
     """
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-                                    and softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap: {softcap!r} must be None or a finite number > 0")
+    check_softcap_sinks(softcap, sinks, num_heads)
     if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,) or not sinks.dtype.is_floating_point:
-            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-            raise ValueError(f"sinks: expected a float tensor [{num_heads}] (one logit per query head), got {shape}")
         sinks = (sinks.to(device=device, dtype=torch.float32) * math.log2(math.e)).contiguous()
     return (0.0 if softcap is None else float(softcap) * math.log2(math.e)), sinks
 
