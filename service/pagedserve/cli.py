@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from .config import EngineConfig, ServerConfig
 from .config_flags import add_flags, build_config, environment_defaults, flag_specs
 from .envs import ENV_PREFIX, pagedserve_settings
-from .fleet import local as fleet_local
+from .fleet import launcher as fleet_launcher
 from .fleet import router as fleet_router
 
 SPECS = flag_specs(ServerConfig, EngineConfig)
@@ -43,7 +43,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         s.error(f"{name}: {message}")
     s.set_defaults(**defaults)
     fleet_router.add_parser(sub)   # pagedserve route
-    fleet_local.add_parser(sub)    # pagedserve fleet
+    fleet_launcher.add_parser(sub)    # pagedserve fleet
     return parser
 
 

@@ -5,12 +5,13 @@ Replica ``i`` serves gRPC on ``--grpc-base-port + i`` and HTTP on ``--http-base-
 the kernel told to SIGKILL it if this process dies (``PR_SET_PDEATHSIG``); SIGINT (Ctrl-C) or SIGTERM here stops
 the router, then the replicas (SIGTERM to each group, SIGKILL to what is left after ``grace_s``), so no process
 outlives the fleet. Logs go to one file per process in ``--log-dir``; without one, in a new temporary directory
-that is removed at exit (kept when a process failed, so its log can be read). Once every replica's ``/health`` and
-the router's answer, it prints a ``pagedserve fleet: ready`` line.
+that is removed at exit (kept when a process failed or a replica died, so its log can be read). Once every
+replica's ``/health`` and the router's answer, it prints a ``pagedserve fleet: ready`` line. From then on a replica
+that dies is reported at once (which one, its pid, exit code or signal, its kept log) and restarted with backoff
+(:mod:`pagedserve.fleet.supervisor`).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import shutil
@@ -19,14 +20,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from .router import POLICIES
 
 _PR_SET_PDEATHSIG = 1
 
@@ -166,7 +164,7 @@ class Fleet:
         """Send ``sig`` to replica ``i``'s process group and reap it."""
         proc = self.replicas[i]
         if proc is not None:
-            _signal_group(proc, sig)
+            signal_group(proc, sig)
             proc.wait()
 
     def stop(self, grace_s: float = 15.0) -> None:
@@ -175,15 +173,25 @@ class Fleet:
         for group in ([self.router], self.replicas):
             procs = [p for p in group if p is not None]
             for p in procs:
-                _signal_group(p, signal.SIGTERM)
+                signal_group(p, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for p in procs:
                 try:
                     p.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-                _signal_group(p, signal.SIGKILL)  # whatever of the group is left (children included)
+                signal_group(p, signal.SIGKILL)  # whatever of the group is left (children included)
                 p.wait()
+
+    def keep_log(self, name: str, kept_name: str) -> Path:
+        """Rename the log ``name`` to ``kept_name`` (so a restarted process's log does not bury it) and return the
+        kept path; when ``name`` does not exist, the path it would have had."""
+        kept = self.log_dir / kept_name
+        try:
+            (self.log_dir / name).rename(kept)
+        except FileNotFoundError:
+            pass
+        return kept
 
     def remove_temporary_logs(self) -> bool:
         """Delete the log directory if this fleet made it (no ``log_dir`` given); a given one is kept. Returns
@@ -202,78 +210,12 @@ class Fleet:
             self.remove_temporary_logs()
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen | None, sig: int) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (children are started with ``process_group=0``); a group
+    that is gone already is not an error."""
+    if proc is None:
+        return
     try:
         os.killpg(proc.pid, sig)  # the child leads its own group (process_group=0)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def add_parser(sub) -> argparse.ArgumentParser:
-    """The ``fleet`` subcommand on ``sub`` (the ``pagedserve`` subparsers)."""
-    p = sub.add_parser("fleet", help="run N replicas and vllm-router on loopback ports (development)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=__doc__,
-                       epilog="Arguments after -- go to every `pagedserve serve` replica.")
-    p.add_argument("--replicas", "-n", type=int, default=2, help="number of replicas")
-    p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy")
-    p.add_argument("--router-port", type=int, default=8080, help="the router's OpenAI API port")
-    p.add_argument("--prometheus-port", type=int, default=29000, help="the router's own /metrics")
-    p.add_argument("--http-base-port", type=int, default=8101, help="replica i's HTTP port is this + i")
-    p.add_argument("--grpc-base-port", type=int, default=50151, help="replica i's gRPC port is this + i")
-    p.add_argument("--log-dir", default=argparse.SUPPRESS,
-                   help="per-process logs, kept (default: a new temporary directory, removed at exit unless a "
-                        "process failed)")
-    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `pagedserve serve` arguments")
-    p.set_defaults(run=run)
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    """Start the fleet, print its addresses, run until SIGINT/SIGTERM or the router exits, then stop it all.
-    Returns 0 after a signal, 1 when a process failed to start or the router died."""
-    serve_args = list(args.serve_args)
-    fleet = Fleet(args.replicas, serve_args[1:] if serve_args[:1] == ["--"] else serve_args,
-                  http_base_port=args.http_base_port, grpc_base_port=args.grpc_base_port,
-                  router_port=args.router_port, prometheus_port=args.prometheus_port, policy=args.policy,
-                  log_dir=Path(args.log_dir) if getattr(args, "log_dir", None) else None)
-    stop, started = threading.Event(), threading.Event()
-
-    def on_signal(*_) -> None:
-        stop.set()
-        if not started.is_set():  # still starting: leave start() at once
-            raise KeyboardInterrupt
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    status = 0
-    try:
-        print(f"pagedserve fleet: starting {args.replicas} replicas; logs in {fleet.log_dir}", flush=True)
-        fleet.start()
-        started.set()
-        print(f"router  {fleet.router_url}  (policy {args.policy}; OpenAI API at {fleet.router_url}/v1)", flush=True)
-        for i in range(args.replicas):
-            print(f"replica {i}  http {fleet.http_url(i)}  grpc {fleet.grpc_target(i)}", flush=True)
-        print(f"gRPC, round robin over all: pagedserve-client --target "
-              f"ipv4:{','.join(fleet.grpc_target(i) for i in range(args.replicas))} ...", flush=True)
-        print(f"pagedserve fleet: ready ({args.replicas} replicas and the router answer /health)", flush=True)
-        while not stop.wait(1.0):
-            if fleet.router.poll() is not None:
-                print(f"pagedserve fleet: the router exited; see {fleet.log_dir / 'router.log'}", file=sys.stderr)
-                status = 1
-                break
-    except RuntimeError as exc:
-        print(f"pagedserve fleet: error: {exc}", file=sys.stderr)
-        status = 1
-    except KeyboardInterrupt:
-        pass
-    finally:
-        fleet.stop()
-        _drop_logs(fleet, status)
-    return status
-
-
-def _drop_logs(fleet: Fleet, status: int) -> None:
-    if status == 0 and fleet.remove_temporary_logs():
-        print(f"pagedserve fleet: removed {fleet.log_dir}", flush=True)
-    elif fleet.temporary_log_dir:
-        print(f"pagedserve fleet: logs kept in {fleet.log_dir}", file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 from pagedserve import cli
-from pagedserve.fleet.local import Fleet, _drop_logs
+from pagedserve.fleet.launcher import _drop_logs
+from pagedserve.fleet.local import Fleet
 
 
 def _help() -> str:
