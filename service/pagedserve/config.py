@@ -54,6 +54,11 @@ class EngineConfig:
             TTFT p50 2.6 / 2.8 / 5.2 s.
         long_prefill_token_threshold: tokens one prefill may take in a step (0: the whole budget).
         max_waiting_requests: waiting requests at most before RESOURCE_EXHAUSTED (0: unbounded).
+        max_queue_time_s: seconds a request without a deadline may wait unscheduled before it is refused with
+            DEADLINE_EXCEEDED (HTTP 504) and a retry hint; None: unbounded.
+        deadline_scheduling: keep calls' deadlines (gRPC deadline, HTTP ``timeout``): earliest deadline first
+            within a priority, and a request that cannot finish in time refused before any prefill
+            (core/sched/deadlines.py); off: deadlines only abort calls when they expire.
         kv_cache_memory_bytes: bytes for K and V over all layers; None: 2 GiB on CPU, and on CUDA what
             ``gpu_memory_utilization`` leaves after a profiled forward pass.
         gpu_memory_utilization: fraction of the GPU's memory this process may use (weights, activations, KV cache).
@@ -107,6 +112,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int = 1024
+    max_queue_time_s: float | None = None
+    deadline_scheduling: bool = True
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
@@ -134,6 +141,7 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0")
         _check(self.max_waiting_requests >= 0, "max_waiting_requests", "must be >= 0")
+        _check(self.max_queue_time_s is None or self.max_queue_time_s > 0, "max_queue_time_s", "must be > 0")
         _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
                "must be > 0")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")

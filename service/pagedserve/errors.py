@@ -31,3 +31,13 @@ class EngineUnavailableError(PagedServeError):
 
 class ModelNotLoadedError(PagedServeError):
     """The RPC needs a model that is not loaded (Embed without an embedding model) -> FAILED_PRECONDITION."""
+
+
+class DeadlineError(PagedServeError):
+    """The request cannot finish before its deadline (or waited ``--max-queue-time-s``) and was refused before any
+    prefill -> DEADLINE_EXCEEDED (HTTP 504). ``retry_after_s``: seconds after which a retry may find room (the
+    ``google.rpc.RetryInfo`` detail, HTTP ``Retry-After``)."""
+
+    def __init__(self, message: str, field: str | None = None, retry_after_s: float = 1.0):
+        super().__init__(message, field)
+        self.retry_after_s = retry_after_s

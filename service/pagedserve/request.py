@@ -41,6 +41,8 @@ class Request:
     priority: int = 0                       # lower is served first
     cache_salt: str | None = None           # extra key of the prefix-cache hash chain
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
+    deadline: float | None = None           # the call's deadline, monotonic seconds (None: none); see
+                                            # core.sched.deadlines
     seed: int | None = None                 # the completion's own RNG seed (params.seed + index); None: shared
     parent_id: str | None = None            # the client's request id for n > 1 children
     index: int = 0                          # which of the n completions

@@ -36,6 +36,7 @@ class AddRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    deadline: float | None = None   # time.monotonic() seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +131,18 @@ class AsyncEngine:
 
     # ---- API for the servicer ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[CompletionDelta]:
-        """Queue a request and yield its deltas until every completion has finished.
+                       priority: int = 0, cache_salt: str | None = None,
+                       deadline: float | None = None) -> AsyncIterator[CompletionDelta]:
+        """Queue a request and yield its deltas until every completion has finished. ``deadline``: the call's, in
+        ``time.monotonic()`` seconds (see :mod:`pagedserve.core.sched.deadlines`).
 
         Raises (before the first delta):
             DuplicateRequestError, InvalidInputError, QueueFullError: from validation.
+            DeadlineError: it cannot finish before ``deadline`` (also as the first delta's error, when refused
+                while waiting).
             EngineUnavailableError: shutting down or the engine died (also raised mid-stream).
         """
-        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt)
+        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, deadline)
         async for delta in self._stream(request_id, params.n, command):
             yield delta
 
@@ -214,7 +219,7 @@ class AsyncEngine:
         """Run one command on the engine thread; returns what the engine method returned."""
         if isinstance(command, AddRequest):
             return self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                           command.priority, command.cache_salt)
+                                           command.priority, command.cache_salt, command.deadline)
         if isinstance(command, AddPoolingRequest):
             return self.engine.add_pooling_request(command.request_id, command.token_ids, command.priority,
                                                    command.cache_salt, command.field)

@@ -7,10 +7,13 @@
 """
 from __future__ import annotations
 
+import time
+
 from ..config import EngineConfig
 from ..core.detokenizer import IncrementalDetokenizer
 from ..core.kv_cache.manager import KVCacheManager
 from ..core.sched.beam_groups import BeamGroups
+from ..core.sched.deadlines import DeadlinePolicy
 from ..core.sched.drafts import Drafter
 from ..core.sched.scheduler import Scheduler
 from ..core.sched.stop import OutputText
@@ -55,10 +58,13 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                        group_windows=kv_group_windows)
         speculative = config.speculative()
+        self.deadlines = DeadlinePolicy(config.long_prefill_token_threshold or config.max_num_batched_tokens,
+                                        config.max_queue_time_s, config.deadline_scheduling)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_waiting_requests, max_model_len,
                                    text=OutputText(tokenizer),
-                                   drafter=Drafter(speculative, max_model_len) if speculative else None)
+                                   drafter=Drafter(speculative, max_model_len) if speculative else None,
+                                   deadlines=self.deadlines)
         self.inputs = InputProcessor(vocab_size, max_model_len, config.max_logprobs)
         self.outputs = OutputProcessor()
         self.structured = StructuredOutputManager(tokenizer, eos_token_ids)  # compiles off this thread
@@ -94,8 +100,9 @@ class LLMEngine:
 
     # ---- admission ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> list[Request]:
-        """Validate and queue a request (``params.n`` completions).
+                    priority: int = 0, cache_salt: str | None = None, deadline: float | None = None) -> list[Request]:
+        """Validate and queue a request (``params.n`` completions). ``deadline``: the call's, in
+        ``time.monotonic()`` seconds (None: none); kept as :mod:`pagedserve.core.sched.deadlines` describes.
 
         With ``params.structured_output``, the constraint is compiled on the grammar threads; until it is ready the
         request waits outside the scheduler (a cached constraint is scheduled at once).
@@ -105,9 +112,15 @@ class LLMEngine:
                 compile failure found later ends the request with an InvalidInputError as its delta's ``error``).
             DuplicateRequestError: ``request_id`` is live.
             QueueFullError: the waiting queue is full.
+            DeadlineError: it cannot finish before ``deadline`` even if it started now.
         """
         self._check_new(request_id)
         ids, max_tokens = self.inputs.generation(prompt_token_ids, params)
+        if deadline is not None and self.deadlines.enabled:
+            probe = Request(request_id, ids, params, max_tokens, self.eos_token_ids, deadline=deadline)
+            error = self.deadlines.refusal(probe, time.monotonic(), self.scheduler.running)
+            if error is not None:
+                raise error
         self._check_room(params.n)
         if params.beam_search is not None:
             beams = self.beams.add(request_id, ids, params, self.eos_token_ids, priority, cache_salt or None)
@@ -118,7 +131,7 @@ class LLMEngine:
             seed = (params.seed + i) % 2 ** 64 if params.seed is not None else None
             children.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, max_tokens,
                                     self.eos_token_ids, priority=priority, cache_salt=cache_salt or None,
-                                    seed=seed, parent_id=request_id, index=i))
+                                    seed=seed, parent_id=request_id, index=i, deadline=deadline))
             self.scheduler.text.add(children[-1])
         group = RequestGroup(request_id, children)
         compiled = None
@@ -195,6 +208,7 @@ class LLMEngine:
                 continue
             for req in group.children:
                 if not req.is_finished:
+                    self.deadlines.on_finished(req, time.monotonic())  # a call its deadline cancelled: a miss
                     text = self.scheduler.abort(req)
                     deltas.append(self.outputs.finish_delta(req, CompletionDelta(rid, req.index, text)))
         return aborted, deltas
@@ -207,15 +221,41 @@ class LLMEngine:
         """Run one scheduling step and return what each completion produced. With nothing to run but grammars
         compiling, it waits (briefly: at most 50 ms) for one to finish instead of spinning."""
         early = self._admit_waiting_grammars()
+        if self.scheduler.num_waiting:
+            early += self._refuse_late()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return early
         self.structured.grammar_bitmask(sched, self.scheduler.requests)
+        start = time.monotonic()
         result = self.executor.execute(sched)
+        self.deadlines.timer.observe(time.monotonic() - start)
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
         deltas = self.outputs.process(outputs)
+        self._count_missed(outputs)
         return early + deltas if early else deltas
+
+    def _refuse_late(self) -> list[CompletionDelta]:
+        """Refuse (before any prefill) the waiting requests the deadline policy gives up on: each completion of
+        their group ends with the DeadlineError as its delta's ``error``."""
+        deltas = []
+        for req, error in self.scheduler.late_waiting(time.monotonic()):
+            group = self.groups.get(req.parent_id)
+            for child in group.children if group is not None else ():
+                if not child.is_finished:
+                    self.deadlines.stats.refused_prefill_tokens += child.num_computed_tokens
+                    self.scheduler.abort(child, flush=False)
+                    deltas.append(self.outputs.finish_delta(child, CompletionDelta(group.request_id, child.index,
+                                                                                   error=error)))
+        return deltas
+
+    def _count_missed(self, outputs) -> None:
+        now = None
+        for update in outputs.updates:
+            if update.request.deadline is not None and update.request.is_finished:
+                now = now or time.monotonic()
+                self.deadlines.on_finished(update.request, now)
 
     def _admit_waiting_grammars(self) -> list[CompletionDelta]:
         if not len(self.structured):
@@ -234,7 +274,12 @@ class LLMEngine:
                 "num_requests_waiting": self.scheduler.num_waiting, "num_preemptions": self.scheduler.num_preemptions,
                 "spec_decode_num_draft_tokens": drafter.num_draft_tokens if drafter else 0,
                 "spec_decode_num_accepted_tokens": drafter.num_accepted_tokens if drafter else 0,
-                "kv_blocks_freed_behind_window": kv.num_window_freed_blocks}
+                "kv_blocks_freed_behind_window": kv.num_window_freed_blocks,
+                "deadline_refusals_expired": self.deadlines.stats.refused_expired,
+                "deadline_refusals_infeasible": self.deadlines.stats.refused_infeasible,
+                "deadline_refusals_queue_time": self.deadlines.stats.refused_queue_time,
+                "deadline_refused_prefill_tokens": self.deadlines.stats.refused_prefill_tokens,
+                "deadline_misses": self.deadlines.stats.missed}
 
     def close(self) -> None:
         """Release the executor (tensor-parallel workers stop) and the grammar threads. Idempotent."""

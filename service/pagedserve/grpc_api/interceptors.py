@@ -28,6 +28,7 @@ STATUS_OF: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.DUPLICATE_REQUEST: grpc.StatusCode.ALREADY_EXISTS,
     ErrorKind.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.MODEL_NOT_LOADED: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
@@ -40,15 +41,34 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return STATUS_OF[error_kind(exc)]
 
 
-def _status_of(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a handler's exception becomes (logged here)."""
+def _status_of(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, tuple]:
+    """The status code, message and trailing metadata a handler's exception becomes (logged here). A
+    :class:`~pagedserve.errors.DeadlineError` carries a ``google.rpc.RetryInfo`` detail (``grpc-status-details-bin``,
+    as grpcio-status's ``rpc_status`` writes and reads it)."""
     err = caller_error(exc)   # the gRPC API names fields as the engine does
     code = STATUS_OF[err.kind]
     if err.kind is ErrorKind.INTERNAL:
         log.error("internal_error", method=method, exc_info=exc)
     else:
         log.info("request_rejected", method=method, code=code.name, error=str(exc))
-    return code, err.text()
+    trailing = ()
+    if isinstance(exc, errors.DeadlineError):
+        trailing = (retry_info_trailer(code, err.text(), exc.retry_after_s),)
+    return code, err.text(), trailing
+
+
+def retry_info_trailer(code: grpc.StatusCode, message: str, retry_after_s: float) -> tuple[str, bytes]:
+    """The ``grpc-status-details-bin`` trailer of a ``google.rpc.Status`` with a ``RetryInfo`` detail whose
+    ``retry_delay`` is ``retry_after_s`` seconds (AIP-194: how long a client should wait before it retries)."""
+    from google.protobuf import any_pb2, duration_pb2
+    from google.rpc import error_details_pb2, status_pb2
+
+    detail = any_pb2.Any()
+    whole = int(retry_after_s)
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
+        seconds=whole, nanos=int(round((retry_after_s - whole) * 1e9)))))
+    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    return "grpc-status-details-bin", status.SerializeToString()
 
 
 class MalformedRequest:
@@ -146,9 +166,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                code, message = _status_of(exc, method)
+                code, message, trailing = _status_of(exc, method)
             request = None
-            await context.abort(code, message)
+            await context.abort(code, message, trailing_metadata=trailing)
         return wrapper
 
 

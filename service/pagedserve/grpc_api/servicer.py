@@ -3,6 +3,7 @@ generation runs through the request pipeline (:mod:`pagedserve.serving.pipeline`
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from pagedserve_client.v1 import inference_pb2 as pb
@@ -24,8 +25,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         generation = self.services.require_generation()
-        stream = await open_generation(generation, convert.generation_request_from_proto(request,
-                                                                                         self.auto_tool_parser))
+        remaining = context.time_remaining()  # seconds until the call's deadline; None without one
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        stream = await open_generation(generation, convert.generation_request_from_proto(
+            request, self.auto_tool_parser, deadline))
         try:
             async for choice in stream:
                 yield convert.choice_to_proto(choice, generation.tokenizer)

@@ -7,6 +7,8 @@ validation is 400 (FastAPI's default would be 422) with ``param`` naming the fie
 """
 from __future__ import annotations
 
+import math
+
 import structlog
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +23,7 @@ STATUS_OF: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.INVALID_INPUT: (400, "invalid_request_error"),
     ErrorKind.DUPLICATE_REQUEST: (400, "invalid_request_error"),
     ErrorKind.QUEUE_FULL: (429, "rate_limit_exceeded"),
+    ErrorKind.DEADLINE: (504, "timeout_error"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable"),
     ErrorKind.MODEL_NOT_LOADED: (404, "not_found_error"),
     ErrorKind.INTERNAL: (500, "internal_server_error"),
@@ -35,11 +38,12 @@ class OpenAIError(Exception):
     """An error answered as OpenAI's error body with ``status``."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         if param and not message.startswith(f"{param}: "):
             message = f"{param}: {message}"
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers   # response headers (Retry-After on a deadline refusal)
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -61,6 +65,9 @@ def from_exception(exc: BaseException, fields: FieldNames = BODY_NAMES) -> OpenA
     status, type_ = STATUS_OF[err.kind]
     if err.kind is ErrorKind.INTERNAL:
         log.exception("internal_error", exc_info=exc)
+    if err.kind is ErrorKind.DEADLINE:  # Retry-After in whole seconds (RFC 9110 10.2.3), rounded up
+        return OpenAIError(status, err.message, type_, err.field, "deadline_exceeded",
+                           {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
     return OpenAIError(status, err.message, type_, err.field)
 
 
@@ -82,7 +89,7 @@ def _loc_to_param(loc: tuple) -> str:
 
 
 async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
 async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -99,4 +106,4 @@ async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONRe
 
 async def on_engine_error(request: Request, exc: Exception) -> JSONResponse:
     err = from_exception(exc)
-    return error_response(err.status, err.message, err.type, err.param, err.code)
+    return error_response(err.status, err.message, err.type, err.param, err.code, err.headers)

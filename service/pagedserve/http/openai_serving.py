@@ -15,6 +15,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -92,7 +93,8 @@ class OpenAIServing:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.auto_tool_parser)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         params = cv.sampling_params(body, max_tokens, k)
-        call = GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt)
+        call = GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt,
+                            _deadline(body))
         stream = await open_generation(generation, GenerationRequest((call,), plan, fields, body.stream))
         shaper = ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), k is not None, plan)
         return await _respond(stream, shaper, body, request)
@@ -108,7 +110,7 @@ class OpenAIServing:
         params = cv.sampling_params(body, 1 if prompt_only else body.max_tokens, body.logprobs, echo_lps)
         rid = body.request_id
         calls = tuple(GenerateCall(p, params, f"{rid}-{i}" if rid and len(prompts) > 1 else rid, body.priority,
-                                   body.cache_salt) for i, p in enumerate(prompts))
+                                   body.cache_salt, _deadline(body)) for i, p in enumerate(prompts))
         stream = await open_generation(generation, GenerationRequest(calls, None, fields))
         text = cv.TokenText(generation.tokenizer)
         echo = [(p.text if isinstance(p, TextPrompt) else text.decode(ids), ids)
@@ -145,6 +147,11 @@ async def _naming_fields(work, fields: FieldNames):
         return await work
     except PagedServeError as exc:
         raise from_exception(exc, fields) from None
+
+
+def _deadline(body) -> float | None:
+    """The body's ``timeout`` (seconds) as an absolute ``time.monotonic()`` deadline; None without one."""
+    return time.monotonic() + body.timeout if body.timeout is not None else None
 
 
 def _check_stream_options(body) -> None:

@@ -62,6 +62,8 @@ class _SamplingBody(_SamplingFields):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None        # vLLM: the engine request id (default: random)
+    timeout: float | None = Field(None, gt=0)  # seconds from arrival the call may take (its deadline; HTTP 504
+                                         # with Retry-After when it cannot finish in time: core/sched/deadlines.py)
     use_beam_search: bool = False        # vLLM: beam search with beam width n; n completions in score order
     length_penalty: float | None = None  # vLLM (beam search): HF's length_penalty, default 1.0
     early_stopping: bool | None = None   # vLLM (beam search): HF's early_stopping, default false

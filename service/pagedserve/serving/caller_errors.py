@@ -23,6 +23,7 @@ class ErrorKind(enum.Enum):
     INVALID_INPUT = "invalid_input"            # bad request content (names the field)
     DUPLICATE_REQUEST = "duplicate_request"    # a live request already has this request_id
     QUEUE_FULL = "queue_full"                  # the waiting queue is full
+    DEADLINE = "deadline"                      # cannot finish before the call's deadline: refused before prefill
     UNAVAILABLE = "unavailable"                # loading, shutting down, or the engine died
     MODEL_NOT_LOADED = "model_not_loaded"      # the call needs a model this server does not serve
     INTERNAL = "internal"                      # anything else: a bug
@@ -32,6 +33,7 @@ _KIND_OF: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (errors.InvalidInputError, ErrorKind.INVALID_INPUT),
     (errors.DuplicateRequestError, ErrorKind.DUPLICATE_REQUEST),
     (errors.QueueFullError, ErrorKind.QUEUE_FULL),
+    (errors.DeadlineError, ErrorKind.DEADLINE),
     (errors.EngineUnavailableError, ErrorKind.UNAVAILABLE),
     (errors.ModelNotLoadedError, ErrorKind.MODEL_NOT_LOADED),
 )

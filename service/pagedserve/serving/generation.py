@@ -31,6 +31,7 @@ class GenerateCall:
     request_id: str | None = None      # None: a random one (uuid4 hex)
     priority: int = 0                  # lower runs first (vLLM's priority scheduling semantics)
     cache_salt: str | None = None      # isolates this request's prefix-cache entries
+    deadline: float | None = None      # the call's deadline, time.monotonic() seconds (gRPC deadline, HTTP timeout)
 
 
 class GenerationService:

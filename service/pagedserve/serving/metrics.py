@@ -64,10 +64,30 @@ class _EngineCollector:
             family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             family.add_metric([model], float(value))
             yield family
+        yield from _deadline_families(stats, model)
         info = GaugeMetricFamily(PREFIX + "model_info", "The served model (always 1); its labels describe it.",
                                  labels=["model_name", "tensor_parallel_size"])
         info.add_metric([model, str(self.owner.tensor_parallel_size)], 1.0)
         yield info
+
+
+def _deadline_families(stats: dict, model: str):
+    """The deadline policy's counters (core/sched/deadlines.py): refusals by reason, the prefill tokens refused
+    requests had spent (0 by design), requests that ended after their deadline."""
+    refusals = CounterMetricFamily(PREFIX + "deadline_refusals", "Requests refused before prefill (DEADLINE_EXCEEDED "
+                                   "/ HTTP 504): expired, infeasible (cannot finish in time at the measured step "
+                                   "time) or queue_time (--max-queue-time-s).", labels=["model_name", "reason"])
+    for reason in ("expired", "infeasible", "queue_time"):
+        refusals.add_metric([model, reason], float(stats.get(f"deadline_refusals_{reason}", 0)))
+    yield refusals
+    for name, doc, key in (
+            ("deadline_refused_prefill_tokens", "Prefill tokens computed for requests later refused by deadline.",
+             "deadline_refused_prefill_tokens"),
+            ("deadline_misses", "Requests with a deadline that ended (finished or cancelled) after it.",
+             "deadline_misses")):
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([model], float(stats.get(key, 0)))
+        yield family
 
 
 class ServerMetrics:

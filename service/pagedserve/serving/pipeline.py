@@ -165,7 +165,8 @@ class GenerationStream:
         log.info("generate_start", request_id=request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens,
                  n=params.n)
         times = metrics.start(params.n, len(ids))
-        engine_stream = self.generation.engine.generate(request_id, ids, params, call.priority, call.cache_salt)
+        engine_stream = self.generation.engine.generate(request_id, ids, params, call.priority, call.cache_salt,
+                                                        call.deadline)
         num_tokens, refused = 0, False
         try:
             async for delta in engine_stream:

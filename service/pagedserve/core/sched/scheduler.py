@@ -24,6 +24,7 @@ from ..kv_cache.manager import KVCacheManager
 from ...outputs import ModelRunnerOutput
 from ...request import Request, RequestStatus
 from ...scheduler_output import SchedulerOutput
+from .deadlines import DeadlinePolicy
 from .forks import ForkWaitList
 from .output import EngineCoreOutputs, RequestUpdate, ScheduledRequest, StepPlan
 from .policies import DraftPolicy, GangOwner
@@ -43,19 +44,22 @@ class Scheduler:
         max_model_len: context length at most (requests end with "length" there; None: only max_tokens ends them).
         text: the completions' detokenizers (stop strings, text); None: no text (tests of the scheduling alone).
         drafter: speculative decoding's drafts (:class:`.policies.DraftPolicy`); None: off.
+        deadlines: the deadline checks and the EDF order within a priority (:class:`.deadlines.DeadlinePolicy`);
+            None: a policy with no queue time limit.
     """
 
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_waiting_requests: int = 0,
                  max_model_len: int | None = None, text: OutputText | None = None,
-                 drafter: DraftPolicy | None = None):
+                 drafter: DraftPolicy | None = None, deadlines: DeadlinePolicy | None = None):
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.max_waiting_requests = max_waiting_requests
         self.running: list[Request] = []
-        self._waiting: list[tuple[int, float, int, Request]] = []   # heap of (priority, arrival, seq, request)
+        # heap of (priority, deadline or +inf (EDF; 0 when deadlines are ignored), arrival, seq, request)
+        self._waiting: list[tuple[int, float, float, int, Request]] = []
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
@@ -67,6 +71,7 @@ class Scheduler:
                                              # this scheduler and attaches itself)
         self.drafter = drafter
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
+        self.deadlines = deadlines or DeadlinePolicy(self.long_prefill_token_threshold)
 
     # ---- queue -------------------------------------------------------------------------------------------------
     @property
@@ -74,7 +79,7 @@ class Scheduler:
         return len(self._waiting)
 
     def waiting(self) -> list[Request]:
-        return [entry[3] for entry in sorted(self._waiting)]
+        return [entry[-1] for entry in sorted(self._waiting, key=lambda e: e[:-1])]
 
     def can_admit(self, num_new: int = 1) -> bool:
         return self.max_waiting_requests <= 0 or self.num_waiting + num_new <= self.max_waiting_requests
@@ -82,11 +87,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.seq_id] = request
         request.status = RequestStatus.WAITING
-        heapq.heappush(self._waiting, (request.priority, request.arrival_time, next(self._seq), request))
+        edf = self.deadlines.queue_key(request) if self.deadlines.enabled else 0.0
+        heapq.heappush(self._waiting, (request.priority, edf, request.arrival_time, next(self._seq), request))
 
     def _push_front(self, request: Request) -> None:
-        # A preempted request goes ahead of everything of its priority (-inf arrival keeps that order stable).
-        heapq.heappush(self._waiting, (request.priority, float("-inf"), -next(self._seq), request))
+        # A preempted request goes ahead of everything of its priority (-inf keeps that order stable).
+        heapq.heappush(self._waiting, (request.priority, float("-inf"), float("-inf"), -next(self._seq), request))
 
     def add_group(self, children: list[Request]) -> None:
         """Queue the n completions of one request: the first now, the others once it has computed the prompt
@@ -194,7 +200,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: StepPlan, budget: int) -> int:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self._waiting[0][3]
+            req = self._waiting[0][-1]
             if req.gang is not None:
                 left = self._admit_gang(req.gang, out, budget)
                 if left is None:
@@ -350,6 +356,19 @@ class Scheduler:
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.kv_cache.trim(request, request.num_tokens)
 
+    def late_waiting(self, now: float) -> list[tuple[Request, Exception]]:
+        """Waiting requests never admitted that :class:`.deadlines.DeadlinePolicy` refuses at ``now`` (deadline
+        passed, cannot finish by it, or waited ``max_queue_time_s``), each with its DeadlineError; gang members
+        (beam search) are not checked. Nothing is removed here: the engine finishes them."""
+        out = []
+        for entry in self._waiting:
+            req = entry[-1]
+            if req.gang is None:
+                error = self.deadlines.refusal(req, now, self.running)
+                if error is not None:
+                    out.append((req, error))
+        return out
+
     # ---- removal -----------------------------------------------------------------------------------------------
     def abort(self, request: Request, flush: bool = True) -> str:
         """End ``request`` as aborted (a client's abort, a failed grammar compile); returns the held-back tail of
@@ -365,7 +384,7 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self._waiting = [e for e in self._waiting if e[3] is not request]
+            self._waiting = [e for e in self._waiting if e[-1] is not request]
             heapq.heapify(self._waiting)
         self.kv_cache.free(request)
         request.status = status

@@ -1,0 +1,124 @@
+"""Deadlines the scheduler keeps: refuse, before any prefill, what cannot finish in time.
+
+A call's deadline (the gRPC deadline, the HTTP body's ``timeout``) reaches the engine as an absolute
+``time.monotonic()`` second on :attr:`Request.deadline`. Within a priority the waiting queue is ordered earliest
+deadline first (EDF; Liu & Layland, JACM 1973; a request without one sorts after every one with one). Before each
+step, and when a request arrives, every waiting request that was never admitted is checked:
+
+- its deadline has passed, or
+- it cannot finish by it even if it started now: ``now + (prefill steps + max_tokens) * step time > deadline``,
+  where the step time is the measured mean of recent steps (an exponential moving average of the executor's
+  wall time per step; each step advances every running request by one token, and a prompt needs
+  ``ceil(prompt / long_prefill_token_threshold)`` steps), or
+- it has no deadline and has waited ``max_queue_time_s`` (``--max-queue-time-s``).
+
+Such a request is refused with :class:`~pagedserve.errors.DeadlineError` (gRPC DEADLINE_EXCEEDED with a
+``google.rpc.RetryInfo``, HTTP 504 with ``Retry-After``) carrying a retry hint: the estimated time until a running
+request finishes and frees its seat. It has spent no prefill: only requests with no computed token are refused
+(a preempted request, admitted once, runs on). Until a step has been measured only the first and last checks run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...errors import DeadlineError
+from ...request import Request
+
+_EMA_WEIGHT = 0.2   # weight of the newest step in the moving average
+
+
+class StepTimer:
+    """The measured step time: an exponential moving average of the executor's wall seconds per step."""
+
+    def __init__(self) -> None:
+        self.step_s: float | None = None
+        self.num_steps = 0
+
+    def observe(self, seconds: float) -> None:
+        """One step took ``seconds`` (wall time of ``executor.execute``)."""
+        self.step_s = seconds if self.step_s is None else (1 - _EMA_WEIGHT) * self.step_s + _EMA_WEIGHT * seconds
+        self.num_steps += 1
+
+
+@dataclass
+class DeadlineStats:
+    """Counters for /metrics: refusals by reason, prefill tokens the refused requests had spent (0 by design),
+    requests that finished after their deadline."""
+
+    refused_expired: int = 0          # the deadline had passed before admission
+    refused_infeasible: int = 0       # could not finish by the deadline at the measured step time
+    refused_queue_time: int = 0       # no deadline, waited max_queue_time_s
+    refused_prefill_tokens: int = 0
+    missed: int = 0
+
+
+class DeadlinePolicy:
+    """The checks above for one scheduler.
+
+    Args:
+        prefill_chunk: tokens one prefill step takes at most (the scheduler's ``long_prefill_token_threshold``).
+        max_queue_time_s: waiting seconds at most for a request without a deadline (None: unbounded).
+        enabled: False ignores deadlines (no refusal by deadline; EDF off): the baseline of bench/deadlines.py.
+    """
+
+    def __init__(self, prefill_chunk: int, max_queue_time_s: float | None = None, enabled: bool = True):
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.max_queue_time_s = max_queue_time_s
+        self.enabled = enabled
+        self.timer = StepTimer()
+        self.stats = DeadlineStats()
+
+    def estimated_service_s(self, request: Request) -> float | None:
+        """Seconds ``request`` needs from admission to its last token at the measured step time (None before the
+        first measured step)."""
+        if self.timer.step_s is None:
+            return None
+        prompt = request.num_tokens - request.num_computed_tokens
+        steps = math.ceil(prompt / self.prefill_chunk) + max(0, request.max_tokens - request.num_output_tokens - 1)
+        return steps * self.timer.step_s
+
+    def refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
+        """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run."""
+        if request.num_computed_tokens > 0 or request.num_preemptions > 0:
+            return None                   # admitted once: it runs on
+        if request.deadline is None or not self.enabled:
+            limit = self.max_queue_time_s
+            if limit is not None and now - request.arrival_time >= limit:
+                self.stats.refused_queue_time += 1
+                return DeadlineError(f"waited {now - request.arrival_time:.1f} s in the queue "
+                                     f"(--max-queue-time-s {limit:g}) without being scheduled",
+                                     retry_after_s=self.retry_after_s(running))
+            return None
+        left = request.deadline - now
+        if left <= 0:
+            self.stats.refused_expired += 1
+            return DeadlineError(f"the deadline passed after {now - request.arrival_time:.2f} s in the queue, "
+                                 "before the request could be scheduled", retry_after_s=self.retry_after_s(running))
+        need = self.estimated_service_s(request)
+        if need is not None and need > left:
+            self.stats.refused_infeasible += 1
+            return DeadlineError(
+                f"cannot finish within the deadline: {request.num_prompt_tokens} prompt tokens and max_tokens "
+                f"{request.max_tokens} need about {need:.2f} s at the measured {self.timer.step_s * 1e3:.1f} ms per "
+                f"step, {left:.2f} s are left", retry_after_s=self.retry_after_s(running))
+        return None
+
+    def retry_after_s(self, running: list[Request]) -> float:
+        """When a retry may find a seat: the estimated seconds until the running request closest to its end
+        finishes (at least 1 s; 1 s before any step was measured)."""
+        step = self.timer.step_s
+        if step is None or not running:
+            return 1.0
+        left = min(max(0, r.max_tokens - r.num_output_tokens) for r in running)
+        return max(1.0, left * step)
+
+    def on_finished(self, request: Request, now: float) -> None:
+        """Count a request that ended (any way) after its deadline."""
+        if request.deadline is not None and now > request.deadline:
+            self.stats.missed += 1
+
+    @staticmethod
+    def queue_key(request: Request) -> float:
+        """The EDF part of the waiting queue's order: the deadline, +inf without one."""
+        return request.deadline if request.deadline is not None else math.inf
