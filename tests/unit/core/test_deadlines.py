@@ -61,8 +61,10 @@ def test_refusal_rules():
     p.timer.observe(0.1)                                                  # 100 ms per step
     # 130 prompt tokens = 3 prefill steps, then 7 more decode steps: 10 steps = 1.0 s
     assert p.estimated_service_s(req("c", n_prompt=130, max_tokens=8)) == pytest.approx(1.0)
-    assert p.refusal(req("c", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, []) is None
-    err = p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 0.95), NOW, [])
+    busy = [req("running")]
+    assert p.refusal(req("c", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, busy) is None
+    assert p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 0.95), NOW, []) is None  # idle: runs now
+    err = p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 0.95), NOW, busy)
     assert isinstance(err, DeadlineError) and "cannot finish within the deadline" in str(err)
     assert (p.stats.refused_expired, p.stats.refused_infeasible, p.stats.refused_queue_time) == (1, 1, 0)
 
@@ -94,11 +96,12 @@ def test_retry_hint_is_the_nearest_seat():
     assert p.retry_after_s([]) == 1.0
 
 
-def test_step_timer_is_a_moving_average():
-    t = StepTimer()
-    t.observe(1.0)
-    t.observe(2.0)
-    assert t.step_s == pytest.approx(1.2) and t.num_steps == 2
+def test_step_timer_is_a_windowed_mean():
+    t = StepTimer(window=3)
+    assert t.step_s is None
+    for seconds in (1.0, 2.0, 3.0, 7.0):
+        t.observe(seconds)
+    assert t.step_s == pytest.approx(4.0) and t.num_steps == 4   # the last three
 
 
 def test_the_scheduler_sweep_finds_only_late_waiting_requests():

@@ -6,10 +6,10 @@ deadline first (EDF; Liu & Layland, JACM 1973; a request without one sorts after
 step, and when a request arrives, every waiting request that was never admitted is checked:
 
 - its deadline has passed, or
-- it cannot finish by it even if it started now: ``now + (prefill steps + max_tokens) * step time > deadline``,
-  where the step time is the measured mean of recent steps (an exponential moving average of the executor's
-  wall time per step; each step advances every running request by one token, and a prompt needs
-  ``ceil(prompt / long_prefill_token_threshold)`` steps), or
+- it cannot finish by it even if it started now (checked while requests run, so the step time is current): ``now + (prefill steps + max_tokens) * step time > deadline``,
+  where the step time is the mean wall time of the executor's recent steps (:class:`StepTimer`; each step
+  advances every running request by one token, and a prompt needs ``ceil(prompt / long_prefill_token_threshold)``
+  steps), or
 - it has no deadline and has waited ``max_queue_time_s`` (``--max-queue-time-s``).
 
 Such a request is refused with :class:`~pagedserve.errors.DeadlineError` (gRPC DEADLINE_EXCEEDED with a
@@ -20,24 +20,36 @@ request finishes and frees its seat. It has spent no prefill: only requests with
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from ...errors import DeadlineError
 from ...request import Request
 
-_EMA_WEIGHT = 0.2   # weight of the newest step in the moving average
+STEP_WINDOW = 64   # steps the measured step time averages over
 
 
 class StepTimer:
-    """The measured step time: an exponential moving average of the executor's wall seconds per step."""
+    """The measured step time: the mean wall seconds of the executor's last :data:`STEP_WINDOW` steps (prefill
+    chunks and decodes alike: under load a request's decode steps carry other requests' prefill chunks too, so the
+    mean over a window is its expected time per token; one slow step moves it by 1/64 of its excess)."""
 
-    def __init__(self) -> None:
-        self.step_s: float | None = None
+    def __init__(self, window: int = STEP_WINDOW) -> None:
+        self._recent: deque[float] = deque(maxlen=window)
+        self._sum = 0.0
         self.num_steps = 0
+
+    @property
+    def step_s(self) -> float | None:
+        """Mean seconds per step over the window; None before the first step."""
+        return self._sum / len(self._recent) if self._recent else None
 
     def observe(self, seconds: float) -> None:
         """One step took ``seconds`` (wall time of ``executor.execute``)."""
-        self.step_s = seconds if self.step_s is None else (1 - _EMA_WEIGHT) * self.step_s + _EMA_WEIGHT * seconds
+        if len(self._recent) == self._recent.maxlen:
+            self._sum -= self._recent[0]
+        self._recent.append(seconds)
+        self._sum += seconds
         self.num_steps += 1
 
 
@@ -95,8 +107,8 @@ class DeadlinePolicy:
             self.stats.refused_expired += 1
             return DeadlineError(f"the deadline passed after {now - request.arrival_time:.2f} s in the queue, "
                                  "before the request could be scheduled", retry_after_s=self.retry_after_s(running))
-        need = self.estimated_service_s(request)
-        if need is not None and need > left:
+        need = self.estimated_service_s(request) if running else None  # an idle engine runs it at once, at its
+        if need is not None and need > left:                             # best speed: only expiry counts then
             self.stats.refused_infeasible += 1
             return DeadlineError(
                 f"cannot finish within the deadline: {request.num_prompt_tokens} prompt tokens and max_tokens "
