@@ -8,7 +8,10 @@ A field's ``metadata["choices"]`` lists its allowed values.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from .config_checks import _check, _check_choices
+from .config_speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
@@ -17,21 +20,6 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LINEAR_KERNELS = ("auto", "int8-activations", "float-activations", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # pagedserve.tool_calls.PARSERS' names (a test keeps them equal)
-
-
-def _check(cond: bool, field: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{field}: {msg}")
-
-
-def _check_choices(config) -> None:
-    """Every field with ``metadata["choices"]`` holds one of them (or None where None is its default). Raises
-    ValueError naming the field."""
-    for f in fields(config):
-        choices = f.metadata.get("choices")
-        value = getattr(config, f.name)
-        _check(choices is None or value in choices or (value is None and f.default is None), f.name,
-               f"unknown value {value!r}; one of {', '.join(map(str, choices or ()))}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +44,9 @@ class EngineConfig:
         max_waiting_requests: waiting requests at most before RESOURCE_EXHAUSTED (0: unbounded).
         max_queue_time_s: seconds a request without a deadline may wait unscheduled before it is refused with
             DEADLINE_EXCEEDED (HTTP 504) and a retry hint; None: unbounded.
+        fair_share_weights: per-caller weights of the fair share (core/sched/fairness.py) as a JSON object, name
+            -> weight > 0 (e.g. ``{"search": 2, "batch": 0.5}``); callers not named weigh 1. Callers are named by
+            the server's fair_share_by.
         deadline_scheduling: keep calls' deadlines (gRPC deadline, HTTP ``timeout``): earliest deadline first
             within a priority, and a request that cannot finish in time refused before any prefill
             (core/sched/deadlines.py); off: deadlines only abort calls when they expire.
@@ -114,6 +105,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     max_queue_time_s: float | None = None
     deadline_scheduling: bool = True
+    fair_share_weights: str | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
@@ -142,6 +134,7 @@ class EngineConfig:
         _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0")
         _check(self.max_waiting_requests >= 0, "max_waiting_requests", "must be >= 0")
         _check(self.max_queue_time_s is None or self.max_queue_time_s > 0, "max_queue_time_s", "must be > 0")
+        self.fair_share()  # parse and check now: a bad value fails at start-up
         _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
                "must be > 0")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
@@ -150,80 +143,25 @@ class EngineConfig:
         _check(self.seed is None or 0 <= self.seed < 2 ** 64, "seed", "must be in [0, 2**64)")
         self.speculative()  # parse and check now: a bad value fails at start-up
 
+    def fair_share(self) -> dict[str, float]:
+        """The parsed ``fair_share_weights`` ({} when unset). Raises ValueError naming the field."""
+        if not self.fair_share_weights:
+            return {}
+        try:
+            weights = json.loads(self.fair_share_weights)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"fair_share_weights: not JSON: {exc}") from None
+        _check(isinstance(weights, dict), "fair_share_weights", "must be a JSON object of name -> weight")
+        for name, w in weights.items():
+            _check(not isinstance(w, bool) and isinstance(w, (int, float)) and w > 0, "fair_share_weights",
+                   f"weight of {name!r} must be a number > 0, got {w!r}")
+        return {str(k): float(v) for k, v in weights.items()}
+
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed ``speculative_config`` (None when off). Raises ValueError naming the field."""
         if self.speculative_config is None or not self.speculative_config.strip():
             return None
         return SpeculativeConfig.from_json(self.speculative_config)
-
-
-SPECULATIVE_METHODS = ("ngram",)
-MAX_SPECULATIVE_TOKENS = 16
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
-    """Speculative decoding (``--speculative-config``, vLLM's JSON keys).
-
-    Attributes:
-        method: the proposer; "ngram" (prompt lookup decoding: drafts copied from the request's own context).
-        num_speculative_tokens: drafts proposed per step, in [1, 16].
-        prompt_lookup_max: longest suffix n-gram looked up in the context (>= prompt_lookup_min).
-        prompt_lookup_min: shortest suffix n-gram that may propose drafts (>= 1).
-        disable_by_batch_size: no drafts in a step that starts with this many running requests or more (a large
-            batch is compute-bound: drafts then cost more than they save); None: never step aside.
-        rejection_backoff_max: a request whose drafts were all rejected proposes none for the next 1 step, then 2,
-            4, ... after further all-rejected verifications, up to this many steps; a draft accepted resets it.
-            Drafts that the target model never takes (text unlike its context) then cost few verify positions.
-            0: propose at every step. (Which steps carry drafts never changes the output distribution.)
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-    disable_by_batch_size: int | None = 8
-    rejection_backoff_max: int = 16
-
-    def __post_init__(self) -> None:
-        f = "speculative_config"
-        _check(self.method in SPECULATIVE_METHODS, f, f"method must be one of {SPECULATIVE_METHODS}, "
-               f"got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f,
-                   f"{name} must be an integer >= 1, got {value!r}")
-        _check(self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, f,
-               f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
-        _check(self.prompt_lookup_min <= self.prompt_lookup_max, f,
-               f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-               f"({self.prompt_lookup_max})")
-        d = self.disable_by_batch_size
-        _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1), f,
-               f"disable_by_batch_size must be an integer >= 1 or null, got {d!r}")
-        b = self.rejection_backoff_max
-        _check(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 1024, f,
-               f"rejection_backoff_max must be an integer in [0, 1024], got {b!r}")
-
-    @classmethod
-    def from_json(cls, text: str) -> SpeculativeConfig:
-        """Parse ``--speculative-config``. A missing prompt_lookup_max defaults to max(4, prompt_lookup_min).
-
-        Raises:
-            ValueError: not a JSON object, an unknown key, or a value out of range (message names the field).
-        """
-        try:
-            doc = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"speculative_config: not valid JSON: {exc}") from None
-        _check(isinstance(doc, dict), "speculative_config", f"must be a JSON object, got {text!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size", "rejection_backoff_max"}
-        unknown = sorted(set(doc) - known)
-        _check(not unknown, "speculative_config", f"unknown key(s) {unknown}; known: {sorted(known)}")
-        if "prompt_lookup_max" not in doc and isinstance(doc.get("prompt_lookup_min"), int):
-            doc["prompt_lookup_max"] = max(4, doc["prompt_lookup_min"])
-        return cls(**doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +222,10 @@ class ServerConfig:
         allowed_methods: CORS: methods allowed cross-origin, as a JSON list (default ``["*"]``).
         allowed_headers: CORS: request headers allowed cross-origin, as a JSON list (default ``["*"]``).
         allow_credentials: CORS: allow cookies and Authorization on cross-origin requests.
+        fair_share_by: who a call's sender is for fair shares among equal priorities (core/sched/fairness.py):
+            "api-key" (the name of the key presented: a key-file line ``<key> <name>``, else ``key-<sha256
+            prefix>``; ``default`` for --api-key) or "header:NAME" (a header / metadata key the mesh sets after
+            authenticating upstream, e.g. ``header:x-caller``); None: off (arrival order within a priority).
     """
 
     host: str = "127.0.0.1"
@@ -320,6 +262,7 @@ class ServerConfig:
     allowed_methods: str = '["*"]'
     allowed_headers: str = '["*"]'
     allow_credentials: bool = False
+    fair_share_by: str | None = None
 
     def __post_init__(self) -> None:
         if self.embedding_model is not None and self.embedding_model.lower() == "none":
@@ -328,6 +271,9 @@ class ServerConfig:
             value = getattr(self, name)
             _check(value is None or 0 <= value <= 65535, name, "must be in [0, 65535]")
         _check(self.api_key is None or len(self.api_key) > 0, "api_key", "must not be empty")
+        by = self.fair_share_by
+        _check(by is None or by == "api-key" or (by.startswith("header:") and len(by) > len("header:")),
+               "fair_share_by", f"must be 'api-key' or 'header:NAME', got {by!r}")
         _check((self.ssl_certfile is None) == (self.ssl_keyfile is None), "ssl_keyfile",
                "ssl_certfile and ssl_keyfile go together")
         _check(self.ssl_ca_certs is None or self.ssl_certfile is not None, "ssl_ca_certs",

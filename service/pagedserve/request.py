@@ -43,6 +43,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)  # seconds, monotonic clock
     deadline: float | None = None           # the call's deadline, monotonic seconds (None: none); see
                                             # core.sched.deadlines
+    caller: str = ""                        # who sent it (fair shares, core.sched.fairness); "": not named
     seed: int | None = None                 # the completion's own RNG seed (params.seed + index); None: shared
     parent_id: str | None = None            # the client's request id for n > 1 children
     index: int = 0                          # which of the n completions

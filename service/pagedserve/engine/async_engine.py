@@ -37,6 +37,7 @@ class AddRequest:
     priority: int = 0
     cache_salt: str | None = None
     deadline: float | None = None   # time.monotonic() seconds
+    caller: str = ""                # fair shares: who sent it
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +133,7 @@ class AsyncEngine:
     # ---- API for the servicer ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       deadline: float | None = None) -> AsyncIterator[CompletionDelta]:
+                       deadline: float | None = None, caller: str = "") -> AsyncIterator[CompletionDelta]:
         """Queue a request and yield its deltas until every completion has finished. ``deadline``: the call's, in
         ``time.monotonic()`` seconds (see :mod:`pagedserve.core.sched.deadlines`).
 
@@ -142,7 +143,7 @@ class AsyncEngine:
                 while waiting).
             EngineUnavailableError: shutting down or the engine died (also raised mid-stream).
         """
-        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, deadline)
+        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, deadline, caller)
         async for delta in self._stream(request_id, params.n, command):
             yield delta
 
@@ -219,7 +220,8 @@ class AsyncEngine:
         """Run one command on the engine thread; returns what the engine method returned."""
         if isinstance(command, AddRequest):
             return self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                           command.priority, command.cache_salt, command.deadline)
+                                           command.priority, command.cache_salt, command.deadline,
+                                           command.caller)
         if isinstance(command, AddPoolingRequest):
             return self.engine.add_pooling_request(command.request_id, command.token_ids, command.priority,
                                                    command.cache_salt, command.field)

@@ -14,6 +14,7 @@ from ..core.detokenizer import IncrementalDetokenizer
 from ..core.kv_cache.manager import KVCacheManager
 from ..core.sched.beam_groups import BeamGroups
 from ..core.sched.deadlines import DeadlinePolicy
+from ..core.sched.fairness import VirtualTokenCounter
 from ..core.sched.drafts import Drafter
 from ..core.sched.scheduler import Scheduler
 from ..core.sched.stop import OutputText
@@ -64,7 +65,7 @@ class LLMEngine:
                                    config.long_prefill_token_threshold, config.max_waiting_requests, max_model_len,
                                    text=OutputText(tokenizer),
                                    drafter=Drafter(speculative, max_model_len) if speculative else None,
-                                   deadlines=self.deadlines)
+                                   deadlines=self.deadlines, fairness=VirtualTokenCounter(config.fair_share()))
         self.inputs = InputProcessor(vocab_size, max_model_len, config.max_logprobs)
         self.outputs = OutputProcessor()
         self.structured = StructuredOutputManager(tokenizer, eos_token_ids)  # compiles off this thread
@@ -100,9 +101,11 @@ class LLMEngine:
 
     # ---- admission ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None, deadline: float | None = None) -> list[Request]:
+                    priority: int = 0, cache_salt: str | None = None, deadline: float | None = None,
+                    caller: str = "") -> list[Request]:
         """Validate and queue a request (``params.n`` completions). ``deadline``: the call's, in
         ``time.monotonic()`` seconds (None: none); kept as :mod:`pagedserve.core.sched.deadlines` describes.
+        ``caller``: who sent it, for fair shares (:mod:`pagedserve.core.sched.fairness`; "": not named).
 
         With ``params.structured_output``, the constraint is compiled on the grammar threads; until it is ready the
         request waits outside the scheduler (a cached constraint is scheduled at once).
@@ -131,7 +134,8 @@ class LLMEngine:
             seed = (params.seed + i) % 2 ** 64 if params.seed is not None else None
             children.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, max_tokens,
                                     self.eos_token_ids, priority=priority, cache_salt=cache_salt or None,
-                                    seed=seed, parent_id=request_id, index=i, deadline=deadline))
+                                    seed=seed, parent_id=request_id, index=i, deadline=deadline,
+                                    caller=caller))
             self.scheduler.text.add(children[-1])
         group = RequestGroup(request_id, children)
         compiled = None
@@ -279,7 +283,13 @@ class LLMEngine:
                 "deadline_refusals_infeasible": self.deadlines.stats.refused_infeasible,
                 "deadline_refusals_queue_time": self.deadlines.stats.refused_queue_time,
                 "deadline_refused_prefill_tokens": self.deadlines.stats.refused_prefill_tokens,
-                "deadline_misses": self.deadlines.stats.missed}
+                "deadline_misses": self.deadlines.stats.missed, "caller_tokens": self.caller_stats()}
+
+    def caller_stats(self) -> dict[str, tuple[int, int]]:
+        """Per caller (fair shares): (prefill tokens, decode tokens) scheduled since start."""
+        vtc = self.scheduler.fairness
+        return {c: (vtc.served_prefill.get(c, 0), vtc.served_decode.get(c, 0))
+                for c in set(vtc.served_prefill) | set(vtc.served_decode)}
 
     def close(self) -> None:
         """Release the executor (tensor-parallel workers stop) and the grammar threads. Idempotent."""

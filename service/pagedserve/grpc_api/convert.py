@@ -122,20 +122,20 @@ def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:
     raise InvalidInputError("exactly one of prompt, prompt_token_ids or messages is required", "input")
 
 
-def generate_call_from_proto(req: pb.GenerateRequest, deadline: float | None = None) -> GenerateCall:
+def generate_call_from_proto(req: pb.GenerateRequest, deadline: float | None = None, caller: str = "") -> GenerateCall:
     """A :class:`GenerateCall` from a GenerateRequest (empty request_id / cache_salt mean none); ``deadline``: the
-    call's gRPC deadline as ``time.monotonic()`` seconds."""
+    call's gRPC deadline as ``time.monotonic()`` seconds; ``caller``: its sender's name (fair shares)."""
     beam = req.beam_search if req.HasField("beam_search") else None
     return GenerateCall(prompt_from_proto(req), sampling_from_proto(req.sampling, beam), req.request_id or None,
-                        req.priority, req.cache_salt or None, deadline)
+                        req.priority, req.cache_salt or None, deadline, caller)
 
 
 def generation_request_from_proto(req: pb.GenerateRequest, auto_tool_parser: str | None,
-                                  deadline: float | None = None) -> GenerationRequest:
+                                  deadline: float | None = None, caller: str = "") -> GenerationRequest:
     """The pipeline request of a GenerateRequest: its one call and its tool plan (the gRPC API's field names are
     the engine's). Raises InvalidInputError naming the field."""
     plan = tool_plan_from_proto(req, auto_tool_parser)
-    return GenerationRequest((generate_call_from_proto(req, deadline),), plan)
+    return GenerationRequest((generate_call_from_proto(req, deadline, caller),), plan)
 
 
 def tokenize_prompt_from_proto(req: pb.TokenizeRequest) -> Prompt:

@@ -7,6 +7,8 @@ process, :mod:`pagedserve.entrypoints.app`, says when).
 """
 from __future__ import annotations
 
+import functools
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -15,6 +17,7 @@ from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 
 from ..config import ServerConfig
 from ..serving.auth import ApiKeys
+from ..serving.callers import caller_of
 from ..serving.calls import CallTracker
 from ..serving.metrics import ServerMetrics
 from ..serving.services import Services
@@ -47,7 +50,8 @@ class GrpcServer:
         if api_keys.enabled:
             interceptors.insert(1, AuthInterceptor(api_keys, SERVICE_NAME))
         self.server = grpc.aio.server(interceptors=interceptors, options=config.grpc_options())
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(services, config.auto_tool_parser),
+        callers = functools.partial(caller_of, config.fair_share_by, keys=api_keys)
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(services, config.auto_tool_parser, callers),
                                                        self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), self.server)

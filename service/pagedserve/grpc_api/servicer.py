@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from pagedserve_client.v1 import inference_pb2 as pb
 from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
@@ -19,16 +19,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     """Implements pagedserve.v1.InferenceService over :class:`~pagedserve.serving.services.Services` (filled in
     once the models are loaded): each method maps proto to plain types and back, nothing more."""
 
-    def __init__(self, services: Services, auto_tool_parser: str | None = None):
+    def __init__(self, services: Services, auto_tool_parser: str | None = None,
+                 callers: Callable[[Mapping[str, str]], str] | None = None):
         self.services = services
         self.auto_tool_parser = auto_tool_parser  # --tool-call-parser when --enable-auto-tool-choice is on
+        self.callers = callers                    # metadata -> the caller's name (fair shares; serving/callers.py)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         generation = self.services.require_generation()
         remaining = context.time_remaining()  # seconds until the call's deadline; None without one
         deadline = time.monotonic() + remaining if remaining is not None else None
+        caller = self.callers(dict(context.invocation_metadata() or ())) if self.callers else ""
         stream = await open_generation(generation, convert.generation_request_from_proto(
-            request, self.auto_tool_parser, deadline))
+            request, self.auto_tool_parser, deadline, caller))
         try:
             async for choice in stream:
                 yield convert.choice_to_proto(choice, generation.tokenizer)

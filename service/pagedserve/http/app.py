@@ -16,6 +16,8 @@ gate to starlette's CORS middleware (vLLM's flags: ``allowed_origins``, ``allowe
 """
 from __future__ import annotations
 
+import functools
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ServerConfig
 from ..errors import PagedServeError
 from ..serving.auth import ApiKeys
+from ..serving.callers import caller_of
 from ..serving.calls import CallTracker
 from ..serving.metrics import ServerMetrics
 from ..serving.prompts import ChatPrompt, TextPrompt
@@ -120,7 +123,8 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
     """The FastAPI app and its gate, counting API requests in ``tracker`` (the process's, which shutdown drains;
     default: one of its own)."""
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(services, config.auto_tool_parser)
+    serving = OpenAIServing(services, config.auto_tool_parser,
+                            functools.partial(caller_of, config.fair_share_by, keys=api_keys))
     app.add_exception_handler(errors.OpenAIError, errors.on_openai_error)
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
     app.add_exception_handler(StarletteHTTPException, errors.on_http_error)

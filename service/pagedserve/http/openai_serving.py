@@ -16,7 +16,7 @@ import base64
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import numpy as np
 from fastapi import Request
@@ -46,9 +46,11 @@ class OpenAIServing:
             else None.
     """
 
-    def __init__(self, services: Services, auto_tool_parser: str | None = None):
+    def __init__(self, services: Services, auto_tool_parser: str | None = None,
+                 callers: Callable[[Mapping[str, str]], str] | None = None):
         self.services = services
         self.auto_tool_parser = auto_tool_parser
+        self.callers = callers  # request headers -> the caller's name (fair shares; serving/callers.py)
         self.generation_name = services.generation_name
         self.embedding_name = services.embedding_name
 
@@ -94,7 +96,7 @@ class OpenAIServing:
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         params = cv.sampling_params(body, max_tokens, k)
         call = GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt,
-                            _deadline(body))
+                            _deadline(body), self._caller(request))
         stream = await open_generation(generation, GenerationRequest((call,), plan, fields, body.stream))
         shaper = ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), k is not None, plan)
         return await _respond(stream, shaper, body, request)
@@ -110,13 +112,17 @@ class OpenAIServing:
         params = cv.sampling_params(body, 1 if prompt_only else body.max_tokens, body.logprobs, echo_lps)
         rid = body.request_id
         calls = tuple(GenerateCall(p, params, f"{rid}-{i}" if rid and len(prompts) > 1 else rid, body.priority,
-                                   body.cache_salt, _deadline(body)) for i, p in enumerate(prompts))
+                                   body.cache_salt, _deadline(body), self._caller(request))
+                      for i, p in enumerate(prompts))
         stream = await open_generation(generation, GenerationRequest(calls, None, fields))
         text = cv.TokenText(generation.tokenizer)
         echo = [(p.text if isinstance(p, TextPrompt) else text.decode(ids), ids)
                 for p, ids in zip(prompts, stream.prompt_ids)] if body.echo else None
         shaper = CompletionShaper(cv.new_id("cmpl"), model, text, body.logprobs is not None, echo, prompt_only)
         return await _respond(stream, shaper, body, request)
+
+    def _caller(self, request: Request) -> str:
+        return self.callers(request.headers) if self.callers is not None else ""
 
     # ---- embeddings --------------------------------------------------------------------------------------------
     async def _embeddings(self, body: EmbeddingRequest) -> dict:

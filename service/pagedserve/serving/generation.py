@@ -32,6 +32,7 @@ class GenerateCall:
     priority: int = 0                  # lower runs first (vLLM's priority scheduling semantics)
     cache_salt: str | None = None      # isolates this request's prefix-cache entries
     deadline: float | None = None      # the call's deadline, time.monotonic() seconds (gRPC deadline, HTTP timeout)
+    caller: str = ""                   # who sent it, for fair shares (serving/callers.py); "": not named
 
 
 class GenerationService:

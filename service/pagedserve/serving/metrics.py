@@ -65,6 +65,7 @@ class _EngineCollector:
             family.add_metric([model], float(value))
             yield family
         yield from _deadline_families(stats, model)
+        yield from _caller_families(stats.get("caller_tokens", {}), model)
         info = GaugeMetricFamily(PREFIX + "model_info", "The served model (always 1); its labels describe it.",
                                  labels=["model_name", "tensor_parallel_size"])
         info.add_metric([model, str(self.owner.tensor_parallel_size)], 1.0)
@@ -88,6 +89,28 @@ def _deadline_families(stats: dict, model: str):
         family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
         family.add_metric([model], float(stats.get(key, 0)))
         yield family
+
+
+MAX_CALLER_LABELS = 16
+"""Callers with a label of their own in the per-caller metrics (the most served); the rest sum into "_other"."""
+
+
+def _caller_families(tokens: dict[str, tuple[int, int]], model: str):
+    """Tokens scheduled per caller (fair shares), a bounded label set: the :data:`MAX_CALLER_LABELS` most served
+    callers by name ("" is "_unnamed"), the others as "_other"."""
+    family = CounterMetricFamily(PREFIX + "caller_tokens", "Tokens computed per caller (fair shares), by kind.",
+                                 labels=["model_name", "caller", "kind"])
+    ranked = sorted(tokens.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+    rows: dict[str, list[int]] = {}
+    for i, (caller, (prefill, decode)) in enumerate(ranked):
+        name = (caller or "_unnamed") if i < MAX_CALLER_LABELS else "_other"
+        row = rows.setdefault(name, [0, 0])
+        row[0] += prefill
+        row[1] += decode
+    for name, (prefill, decode) in rows.items():
+        family.add_metric([model, name, "prefill"], float(prefill))
+        family.add_metric([model, name, "decode"], float(decode))
+    yield family
 
 
 class ServerMetrics:

@@ -166,7 +166,7 @@ class GenerationStream:
                  n=params.n)
         times = metrics.start(params.n, len(ids))
         engine_stream = self.generation.engine.generate(request_id, ids, params, call.priority, call.cache_salt,
-                                                        call.deadline)
+                                                        call.deadline, call.caller)
         num_tokens, refused = 0, False
         try:
             async for delta in engine_stream:

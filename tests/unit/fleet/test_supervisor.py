@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+from support import wait_until
+
 from pagedserve.fleet.launcher import _drop_logs
 from pagedserve.fleet.local import Fleet
 from pagedserve.fleet.supervisor import ReplicaSupervisor, RestartPolicy, describe_exit
@@ -60,6 +62,8 @@ def test_a_sigkilled_replica_is_reported_its_log_kept_and_restarted_after_the_ba
     sup.poll()
     assert not sup.deaths and out.getvalue() == ""  # nothing died yet: nothing said
     victim = fleet.replicas[1]
+    log = fleet.log_dir / "replica-1.log"
+    wait_until(lambda: log.read_text() == "started 1\n", 10, "the stand-in replica never wrote its log")
     fleet.kill(1)
     sup.poll()
     assert [(d.replica, d.pid, d.how) for d in sup.deaths] == [(1, victim.pid, "killed by signal SIGKILL")]

@@ -16,8 +16,6 @@ step ride on :attr:`SchedulerOutput.block_copies`.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 
 from ..kv_cache.manager import KVCacheManager
@@ -25,10 +23,12 @@ from ...outputs import ModelRunnerOutput
 from ...request import Request, RequestStatus
 from ...scheduler_output import SchedulerOutput
 from .deadlines import DeadlinePolicy
+from .fairness import VirtualTokenCounter
 from .forks import ForkWaitList
 from .output import EngineCoreOutputs, RequestUpdate, ScheduledRequest, StepPlan
 from .policies import DraftPolicy, GangOwner
 from .stop import OutputText, check_stop, is_stop_token
+from .waiting import WaitingQueue
 from .worker_view import WorkerView
 
 
@@ -46,21 +46,20 @@ class Scheduler:
         drafter: speculative decoding's drafts (:class:`.policies.DraftPolicy`); None: off.
         deadlines: the deadline checks and the EDF order within a priority (:class:`.deadlines.DeadlinePolicy`);
             None: a policy with no queue time limit.
+        fairness: the callers' virtual token counters (:class:`.fairness.VirtualTokenCounter`); None: all weigh 1.
     """
 
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_waiting_requests: int = 0,
                  max_model_len: int | None = None, text: OutputText | None = None,
-                 drafter: DraftPolicy | None = None, deadlines: DeadlinePolicy | None = None):
+                 drafter: DraftPolicy | None = None, deadlines: DeadlinePolicy | None = None,
+                 fairness: VirtualTokenCounter | None = None):
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.max_waiting_requests = max_waiting_requests
         self.running: list[Request] = []
-        # heap of (priority, deadline or +inf (EDF; 0 when deadlines are ignored), arrival, seq, request)
-        self._waiting: list[tuple[int, float, float, int, Request]] = []
-        self._seq = itertools.count()
         self.num_preemptions = 0
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.forks = ForkWaitList()               # n > 1 completions waiting for their first one's prompt
@@ -72,6 +71,8 @@ class Scheduler:
         self.drafter = drafter
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
         self.deadlines = deadlines or DeadlinePolicy(self.long_prefill_token_threshold)
+        self.fairness = fairness or VirtualTokenCounter()
+        self._waiting = WaitingQueue(self.deadlines, self.fairness)
 
     # ---- queue -------------------------------------------------------------------------------------------------
     @property
@@ -79,20 +80,19 @@ class Scheduler:
         return len(self._waiting)
 
     def waiting(self) -> list[Request]:
-        return [entry[-1] for entry in sorted(self._waiting, key=lambda e: e[:-1])]
+        return self._waiting.ordered()
 
     def can_admit(self, num_new: int = 1) -> bool:
         return self.max_waiting_requests <= 0 or self.num_waiting + num_new <= self.max_waiting_requests
 
     def add_request(self, request: Request) -> None:
-        self.requests[request.seq_id] = request
+        self._arrived(request)
         request.status = RequestStatus.WAITING
-        edf = self.deadlines.queue_key(request) if self.deadlines.enabled else 0.0
-        heapq.heappush(self._waiting, (request.priority, edf, request.arrival_time, next(self._seq), request))
+        self._waiting.push(request)
 
-    def _push_front(self, request: Request) -> None:
-        # A preempted request goes ahead of everything of its priority (-inf keeps that order stable).
-        heapq.heappush(self._waiting, (request.priority, float("-inf"), float("-inf"), -next(self._seq), request))
+    def _arrived(self, request: Request) -> None:
+        self.requests[request.seq_id] = request
+        self.fairness.on_arrival(request.caller)
 
     def add_group(self, children: list[Request]) -> None:
         """Queue the n completions of one request: the first now, the others once it has computed the prompt
@@ -145,9 +145,18 @@ class Scheduler:
                 i += 1
                 continue
             break  # req itself was preempted: nothing after it can be running
+        self._charge(out.scheduled)
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         return self._emit(out, self.max_num_batched_tokens - budget)
+
+    def _charge(self, scheduled: list[ScheduledRequest]) -> None:
+        """The callers' service (fair shares): each scheduled request's prompt tokens, then decoded tokens. Charged
+        as soon as they are scheduled, so the next admission of the same step sees them."""
+        for s in scheduled:
+            req = s.request
+            prefill = max(0, min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens))
+            self.fairness.charge(req.caller, prefill, s.num_new_tokens - prefill)
 
     def _emit(self, plan: StepPlan, num_batched_tokens: int) -> SchedulerOutput:
         now = time.monotonic()
@@ -200,7 +209,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: StepPlan, budget: int) -> int:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self._waiting[0][-1]
+            req = self._waiting.head()
             if req.gang is not None:
                 left = self._admit_gang(req.gang, out, budget)
                 if left is None:
@@ -212,12 +221,13 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens - num_cached, budget, self.long_prefill_token_threshold)
             if not self.kv_cache.allocate_slots(req, n, cached):
                 break
-            heapq.heappop(self._waiting)
+            self._waiting.remove(req)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            self._charge(out.scheduled[-1:])
             budget -= n
         return budget
 
@@ -230,7 +240,7 @@ class Scheduler:
             return None
         if sum(self.kv_cache.blocks_needed(b.num_tokens) for b in members) > self.kv_cache.num_free_blocks:
             return None
-        heapq.heappop(self._waiting)
+        self._waiting.remove(members[0])
         for b in members:
             cached = self.kv_cache.find_cached_prefix(b) if not b.blocks else []
             num_cached = self.kv_cache.num_cached_tokens(cached)
@@ -244,6 +254,7 @@ class Scheduler:
             self.running.append(b)
             if n > 0:
                 out.scheduled.append(ScheduledRequest(b, n, b.num_computed_tokens + n == b.num_tokens))
+                self._charge(out.scheduled[-1:])
             budget -= n
         return budget
 
@@ -251,7 +262,7 @@ class Scheduler:
         """Put a new gang member forked from running ``parent`` (its blocks already shared) right after it in
         running."""
         child.status = RequestStatus.RUNNING
-        self.requests[child.seq_id] = child
+        self._arrived(child)
         self.running.insert(self.running.index(parent) + 1, child)
 
     def _preempt(self, req: Request, out: StepPlan) -> None:
@@ -259,14 +270,14 @@ class Scheduler:
         if req.gang is None:
             self.running.pop()
             self._preempt_one(req, out)
-            self._push_front(req)
+            self._waiting.push_front(req)
             return
         gang = req.gang
         self.running = [r for r in self.running if r.gang is not gang]
         for b in gang.members:
             self._preempt_one(b, out, count=False)
         self.num_preemptions += 1          # one preemption per gang
-        self._push_front(gang.members[0])
+        self._waiting.push_front(gang.members[0])
 
     def _preempt_one(self, req: Request, out: StepPlan, count: bool = True) -> None:
         self.kv_cache.free(req)
@@ -357,17 +368,9 @@ class Scheduler:
         self.kv_cache.trim(request, request.num_tokens)
 
     def late_waiting(self, now: float) -> list[tuple[Request, Exception]]:
-        """Waiting requests never admitted that :class:`.deadlines.DeadlinePolicy` refuses at ``now`` (deadline
-        passed, cannot finish by it, or waited ``max_queue_time_s``), each with its DeadlineError; gang members
-        (beam search) are not checked. Nothing is removed here: the engine finishes them."""
-        out = []
-        for entry in self._waiting:
-            req = entry[-1]
-            if req.gang is None:
-                error = self.deadlines.refusal(req, now, self.running)
-                if error is not None:
-                    out.append((req, error))
-        return out
+        """Waiting requests the deadline policy refuses at ``now``, each with its DeadlineError
+        (:meth:`.waiting.WaitingQueue.late`); the engine finishes them."""
+        return self._waiting.late(now, self.running)
 
     # ---- removal -----------------------------------------------------------------------------------------------
     def abort(self, request: Request, flush: bool = True) -> str:
@@ -384,9 +387,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self._waiting = [e for e in self._waiting if e[-1] is not request]
-            heapq.heapify(self._waiting)
+            self._waiting.remove(request)
         self.kv_cache.free(request)
         request.status = status
-        self.requests.pop(request.seq_id, None)
+        if self.requests.pop(request.seq_id, None) is not None:
+            self.fairness.on_leave(request.caller)
         self.view.finished(request)

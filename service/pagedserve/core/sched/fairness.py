@@ -1,0 +1,76 @@
+"""Fair shares per caller: the Virtual Token Counter (VTC; Sheng et al., "Fairness in Serving Large Language
+Models", OSDI 2024).
+
+Every caller (the API key's name, or a header the operator names: :mod:`pagedserve.serving.callers`) has a counter
+of the service it received, in weighted tokens divided by its weight: a prefill token costs
+:data:`PREFILL_COST`, a decoded token :data:`DECODE_COST` (the paper's w_p = 1, w_q = 2). Among waiting requests of
+the best priority, the next admitted is the earliest (deadline, then arrival) of the backlogged caller with the
+smallest counter. A caller that becomes backlogged again (it had nothing queued or running) has its counter lifted
+to the smallest counter of the callers that are backlogged (the paper's "counter lift"), so idle time is not banked
+as credit to starve the others later. With one caller (or none named) the order is the plain one.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PREFILL_COST = 1.0
+DECODE_COST = 2.0
+NO_CALLER = ""   # requests with no caller name share this one
+
+
+class VirtualTokenCounter:
+    """The counters, weights and backlog of the callers one scheduler sees (the engine thread only).
+
+    Args:
+        weights: caller name -> weight > 0 (a caller's share of the service is proportional to it); callers not
+            named weigh 1.
+
+    Raises:
+        ValueError: a weight that is not a positive number (naming ``fair_share_weights``).
+    """
+
+    def __init__(self, weights: dict[str, float] | None = None):
+        self.weights = dict(weights or {})
+        for name, w in self.weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+                raise ValueError(f"fair_share_weights: weight of {name!r} must be a number > 0, got {w!r}")
+        self.counters: dict[str, float] = {}
+        self.live: dict[str, int] = {}            # caller -> its requests waiting or running
+        self.served_prefill: dict[str, int] = {}  # caller -> prefill tokens scheduled (metrics)
+        self.served_decode: dict[str, int] = {}   # caller -> decode tokens scheduled (metrics)
+
+    def weight(self, caller: str) -> float:
+        return float(self.weights.get(caller, 1.0))
+
+    def on_arrival(self, caller: str) -> None:
+        """A request of ``caller`` joined the waiting queue (or a preempted one went back: still live)."""
+        if self.live.get(caller, 0) == 0:           # newly backlogged: the counter lift
+            backlogged = [self.counters.get(c, 0.0) for c, n in self.live.items() if n > 0 and c != caller]
+            floor = min(backlogged) if backlogged else max(self.counters.values(), default=0.0)
+            self.counters[caller] = max(self.counters.get(caller, 0.0), floor)
+        self.live[caller] = self.live.get(caller, 0) + 1
+
+    def on_leave(self, caller: str) -> None:
+        """A request of ``caller`` finished (any way)."""
+        left = self.live.get(caller, 0) - 1
+        if left > 0:
+            self.live[caller] = left
+        else:
+            self.live.pop(caller, None)
+
+    def charge(self, caller: str, prefill_tokens: int, decode_tokens: int) -> None:
+        """``caller`` got this many tokens computed in a step."""
+        cost = PREFILL_COST * prefill_tokens + DECODE_COST * decode_tokens
+        self.counters[caller] = self.counters.get(caller, 0.0) + cost / self.weight(caller)
+        self.served_prefill[caller] = self.served_prefill.get(caller, 0) + prefill_tokens
+        self.served_decode[caller] = self.served_decode.get(caller, 0) + decode_tokens
+
+    def pick(self, candidates: Iterable[tuple[str, object]]) -> object | None:
+        """Of ``(caller, item)`` pairs in queue order (best first), the first item of the caller with the smallest
+        counter; None when there are none."""
+        best, best_counter = None, None
+        for caller, item in candidates:
+            counter = self.counters.get(caller, 0.0)
+            if best_counter is None or counter < best_counter:
+                best, best_counter = item, counter
+        return best

@@ -1,0 +1,93 @@
+"""Fair shares (core/sched/fairness.py): the virtual token counter's lift, pick and weights on plain values, and
+through the scheduler: a light caller's requests are admitted ahead of a heavy caller's backlog, nothing changes
+without caller names, and weights set the token shares (within 10%)."""
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.core.sched.fairness import DECODE_COST, PREFILL_COST, VirtualTokenCounter
+from pagedserve.core.sched.scheduler import Scheduler
+from pagedserve.request import Request
+from pagedserve.sampling_params import SamplingParams
+from sched_cases import schedule, worker_output
+
+_ids = iter(range(10**6))
+
+
+def req(caller: str, n_prompt: int = 8, max_tokens: int = 8) -> Request:
+    base = 100 * next(_ids)   # distinct prompts: no prefix-cache sharing
+    return Request(f"{caller}-{base}", list(range(base + 1, base + n_prompt + 1)), SamplingParams(),
+                   max_tokens=max_tokens, eos_token_ids=frozenset(), caller=caller)
+
+
+def test_counters_charge_weighted_tokens_and_lift_a_returning_caller():
+    vtc = VirtualTokenCounter({"b": 2})
+    vtc.on_arrival("a")
+    vtc.charge("a", prefill_tokens=10, decode_tokens=5)
+    assert vtc.counters["a"] == pytest.approx(10 * PREFILL_COST + 5 * DECODE_COST)
+    vtc.on_arrival("b")                    # joins while a is backlogged: lifted to a's counter
+    assert vtc.counters["b"] == vtc.counters["a"]
+    vtc.charge("b", 10, 5)
+    assert vtc.counters["b"] - vtc.counters["a"] == pytest.approx((10 + 10) / 2)  # weight 2: half the cost
+    vtc.on_leave("a")
+    vtc.charge("b", 100, 0)
+    vtc.on_arrival("a")                    # back after idling: no banked credit below the backlogged minimum
+    assert vtc.counters["a"] == vtc.counters["b"]
+    assert vtc.pick([("b", "first-b"), ("a", "first-a"), ("a", "second-a")]) == "first-b"  # equal: queue order
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2", True, None])
+def test_weights_must_be_positive_numbers(bad):
+    with pytest.raises(ValueError, match="fair_share_weights"):
+        VirtualTokenCounter({"x": bad})
+
+
+def _admitted(s: Scheduler, steps: int) -> list[str]:
+    order = []
+    for _ in range(steps):
+        step = schedule(s)
+        order += [x.request.caller for x in step.scheduled if x.request.num_computed_tokens == 0]
+        s.update_from_output(step.output, worker_output(step))
+    return order
+
+
+def test_a_light_caller_is_admitted_ahead_of_a_heavy_backlog():
+    s = Scheduler(KVCacheManager(256, 16), max_num_seqs=2, max_num_batched_tokens=64)
+    for _ in range(20):
+        s.add_request(req("heavy"))
+    for _ in range(2):
+        s.add_request(req("light"))         # arrived last
+    order = _admitted(s, 40)
+    assert order[:4].count("light") >= 1 and order[:8].count("light") == 2, order
+
+
+def test_without_caller_names_arrival_order_stands():
+    s = Scheduler(KVCacheManager(256, 16), max_num_seqs=2, max_num_batched_tokens=64)
+    reqs = [req("") for _ in range(6)]
+    for r in reqs:
+        s.add_request(r)
+    admitted = []
+    for _ in range(30):
+        step = schedule(s)
+        admitted += [x.request for x in step.scheduled if x.request.num_computed_tokens == 0]
+        s.update_from_output(step.output, worker_output(step))
+    assert admitted == reqs
+
+
+@pytest.mark.parametrize("weights", [{"a": 2.0, "b": 1.0}, {"a": 1.0, "b": 3.0}])
+def test_weights_set_the_token_shares(weights):
+    vtc = VirtualTokenCounter(weights)
+    s = Scheduler(KVCacheManager(1024, 16), max_num_seqs=4, max_num_batched_tokens=64, fairness=vtc)
+    for _ in range(200):                     # both callers stay backlogged throughout (at most 1 request a step
+        s.add_request(req("a"))              # finishes here: 300 steps use < 200 of either)
+        s.add_request(req("b"))
+    for _ in range(300):
+        step = schedule(s)
+        s.update_from_output(step.output, worker_output(step))
+
+    def cost(c):
+        return PREFILL_COST * vtc.served_prefill[c] + DECODE_COST * vtc.served_decode[c]
+    share_a = cost("a") / (cost("a") + cost("b"))
+    want = weights["a"] / (weights["a"] + weights["b"])
+    assert abs(share_a - want) <= 0.1 * want, (share_a, want)
