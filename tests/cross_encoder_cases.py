@@ -90,3 +90,22 @@ def write_xlmr_cross_encoder(path: str, num_labels: int = 1, seed: int = 0, **sh
     XLMRobertaForSequenceClassification(config).eval().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def write_modernbert_cross_encoder(path: str, num_labels: int = 1, seed: int = 0, **overrides) -> str:
+    """A random ``ModernBertForSequenceClassification`` (layers global, local, local; a local window of 8 tokens,
+    far shorter than the tests' pairs) with :func:`bpe_tokenizer` (``<s> a </s> b </s>``) in ``path``; returns
+    ``path``."""
+    import torch
+    from transformers import ModernBertConfig, ModernBertForSequenceClassification
+
+    tokenizer = bpe_tokenizer(roberta=False)
+    shape = {k: v for k, v in TINY.items()}
+    config = ModernBertConfig(vocab_size=len(tokenizer), max_position_embeddings=128, local_attention=8,
+                              pad_token_id=1, bos_token_id=0, eos_token_id=2, cls_token_id=0, sep_token_id=2,
+                              num_labels=num_labels, architectures=["ModernBertForSequenceClassification"],
+                              **{**shape, "num_hidden_layers": 3, **overrides})
+    torch.manual_seed(seed)
+    ModernBertForSequenceClassification(config).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
