@@ -183,10 +183,15 @@ class CrossEncoder:
         return pairs
 
     def encode_micro_batch(self, pairs: list[PairTokens]) -> torch.Tensor:
-        """Run one micro-batch as is: activated logits ``[len(pairs), num_labels]`` float32 on CPU, row i for
-        pair i. Padding is masked, so the grouping never changes a row. Thread safe: calls are serialized."""
+        """Run one micro-batch as is: raw logits ``[len(pairs), num_labels]`` float32 on CPU, row i for pair i
+        (:meth:`activate` gives the scores). Padding is masked, so the grouping never changes a row. Thread safe:
+        calls are serialized."""
         with self._lock, torch.inference_mode():
             return self._forward_batch(pairs)
+
+    def activate(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's activation (see the module docstring) applied to ``[N, num_labels]`` float32 logits."""
+        return _BY_NAME[self._activation](logits)
 
     def predict(self, pairs: list[tuple[str, str]], truncate: bool = True) -> torch.Tensor:
         """``CrossEncoder.predict(pairs)``: activated logits ``[N, num_labels]`` float32 on CPU, in input order,
@@ -200,7 +205,7 @@ class CrossEncoder:
         with self._lock, torch.inference_mode():
             for batch in plan_micro_batches([len(p) for p in tokens], self._max_batch_tokens):
                 out[batch] = self._forward_batch([tokens[i] for i in batch])
-        return out
+        return self.activate(out)
 
     def _forward_batch(self, pairs: list[PairTokens]) -> torch.Tensor:
         batch = PackedBatch.from_lengths([len(p) for p in pairs], self._device)
@@ -208,5 +213,4 @@ class CrossEncoder:
         types = None
         if self._types and pairs[0].type_ids is not None:
             types = torch.tensor([t for p in pairs for t in p.type_ids], dtype=torch.int64).to(self._device)
-        logits = self._model.classify_packed(ids, batch, types).float()
-        return _BY_NAME[self._activation](logits).cpu()
+        return self._model.classify_packed(ids, batch, types).float().cpu()

@@ -48,8 +48,10 @@ class ScoringService(Protocol):
 
     info: RerankModelInfo
 
-    async def score(self, text_1: list[str], text_2: list[str], truncate: bool = False) -> ScoreResult:
-        """Score pairs (see the module docstring); ``truncate`` cuts what is longer than ``max_input_tokens``.
+    async def score(self, text_1: list[str], text_2: list[str], truncate: bool = False,
+                    raw: bool = False) -> ScoreResult:
+        """Score pairs (see the module docstring); ``truncate`` cuts what is longer than ``max_input_tokens``;
+        ``raw`` gives a cross-encoder's logit before its activation (TEI's ``raw_scores``; a cosine is raw).
 
         Raises:
             InvalidInputError: see :func:`~pagedserve.embedding.cross_encoder.check_pairing`; "text_1[i]" /
@@ -81,10 +83,11 @@ class CrossEncoderScorer:
         self.info = RerankModelInfo(model.name, CROSS_ENCODER, model.architecture, model.dtype,
                                     model.max_input_tokens, model.activation)
 
-    async def score(self, text_1: list[str], text_2: list[str], truncate: bool = False) -> ScoreResult:
+    async def score(self, text_1: list[str], text_2: list[str], truncate: bool = False,
+                    raw: bool = False) -> ScoreResult:
         """See :meth:`ScoringService.score`; the scores are ``CrossEncoder.predict``'s."""
         pairs = await self.batcher.tokenize(self.model.tokenize_pairs, text_1, text_2, truncate)
-        rows = await self.batcher.run(pairs)
+        rows = await self.batcher.run(pairs, None if raw else self.model.activate)
         return ScoreResult(rows[:, 0].tolist(), sum(map(len, pairs)))
 
     async def aclose(self) -> None:
@@ -102,8 +105,9 @@ class EmbeddingScorer:
         self.info = RerankModelInfo(emb.name, EMBEDDING_COSINE, emb.architecture, emb.dtype, emb.max_input_tokens,
                                     "cosine")
 
-    async def score(self, text_1: list[str], text_2: list[str], truncate: bool = False) -> ScoreResult:
-        """See :meth:`ScoringService.score`; scores in [-1, 1]."""
+    async def score(self, text_1: list[str], text_2: list[str], truncate: bool = False,
+                    raw: bool = False) -> ScoreResult:
+        """See :meth:`ScoringService.score`; scores in [-1, 1] (``raw`` changes nothing)."""
         check_pairing(text_1, text_2)
         try:
             result = await self.embedding.embed(list(text_1) + list(text_2), normalize=True, truncate=truncate)

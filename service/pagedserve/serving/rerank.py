@@ -41,9 +41,9 @@ def renamed(exc: InvalidInputError, fields: FieldNames) -> InvalidInputError:
 
 
 async def rerank(scorer: ScoringService, query: str, texts: list[str], top_n: int | None = None,
-                 truncate: bool = False) -> RerankResult:
+                 truncate: bool = False, raw: bool = False) -> RerankResult:
     """Score every text against ``query`` and order them best first, keeping the first ``top_n`` (all when None
-    or more than there are).
+    or more than there are); ``raw``: a cross-encoder's logits, before its activation.
 
     Raises:
         InvalidInputError: "query" (not a string, or empty), "texts" (none), "top_n" (< 1), "texts[i]" (not a
@@ -57,7 +57,7 @@ async def rerank(scorer: ScoringService, query: str, texts: list[str], top_n: in
     if top_n is not None and top_n < 1:
         raise InvalidInputError(f"must be >= 1, got {top_n}", field="top_n")
     try:
-        result = await scorer.score([query], list(texts), truncate)
+        result = await scorer.score([query], list(texts), truncate, raw)
     except InvalidInputError as exc:
         raise renamed(exc, RERANK_FIELDS) from None
     scores = result.scores
