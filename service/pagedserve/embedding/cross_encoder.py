@@ -4,9 +4,10 @@ A pair is tokenized with the tokenizer's own pair template (``tokenizer(text_1, 
 with segment ids for BERT, ``<s> a </s></s> b </s>`` for the RoBERTa family), cut with ``truncation="longest_first"``
 to ``max_length`` when asked, run through the sequence classifier (:mod:`pagedserve.models.cross_encoder`) packed
 (padded keys masked, so a pair scores the same alone or in any batch), and the logits go through the model's
-activation: the one sentence-transformers saved with it (``config_sentence_transformers.json`` ``activation_fn``,
-else ``config.json``'s ``sentence_transformers.activation_fn`` or older ``sbert_ce_default_activation_function``),
-else Sigmoid for one label and Identity for more (``CrossEncoder.get_default_activation_fn``).
+activation: the one sentence-transformers saved with it (``config_sentence_transformers.json`` ``activation_fn`` in
+a directory it saved, i.e. one with a ``modules.json``; else ``config.json``'s ``sentence_transformers.activation_fn``
+or older ``sbert_ce_default_activation_function``), else Sigmoid for one label and Identity for more
+(``CrossEncoder.get_default_activation_fn``).
 """
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ def read_activation(path: str, model_dir: str, num_labels: int) -> str:
     Raises:
         ValueError: a saved activation other than those in :data:`ACTIVATIONS`.
     """
-    saved = _read_json(os.path.join(path, "config_sentence_transformers.json")).get("activation_fn")
+    saved = None
+    if os.path.isfile(os.path.join(path, "modules.json")):   # sentence-transformers reads it only then
+        saved = _read_json(os.path.join(path, "config_sentence_transformers.json")).get("activation_fn")
     config = _read_json(os.path.join(model_dir, "config.json"))
     if saved is None:
         saved = (config.get("sentence_transformers") or {}).get("activation_fn")

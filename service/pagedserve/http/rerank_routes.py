@@ -21,14 +21,12 @@ than the model's limit without truncation is a 400 naming the text (``texts[i]``
 """
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter
 
 from ..serving.caller_errors import FieldNames
 from ..serving.rerank import rerank, score
 from ..serving.services import Services
-from .convert import new_id
+from .convert import new_id, now_s
 from .errors import OpenAIError
 from .openai_serving import _naming_fields as naming_fields
 from .protocol import _Body
@@ -126,7 +124,7 @@ def build_router(services: Services) -> APIRouter:
         result = await naming_fields(score(services.require_rerank(), _as_list(body.text_1), _as_list(body.text_2),
                                            truncate), FieldNames(renames=renames))
         tokens = result.prompt_tokens
-        return {"id": new_id("score"), "object": "list", "created": int(time.time()), "model": model,
+        return {"id": new_id("score"), "object": "list", "created": now_s(), "model": model,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
