@@ -271,6 +271,24 @@ def embed_request(inputs: str | Iterable[str], normalize: bool | None = None, tr
     return request
 
 
+def rerank_request(query: str, texts: str | Iterable[str], top_n: int | None = None, return_text: bool = False,
+                   truncate: bool = False) -> pb.RerankRequest:
+    """Build a RerankRequest; one string is a list of one text. None leaves top_n unset (every text returned)."""
+    request = pb.RerankRequest(query=query, texts=[texts] if isinstance(texts, str) else list(texts),
+                               return_text=return_text, truncate=truncate)
+    if top_n is not None:
+        request.top_n = top_n
+    return request
+
+
+def score_request(text_1: str | Iterable[str], text_2: str | Iterable[str], truncate: bool = False
+                  ) -> pb.ScoreRequest:
+    """Build a ScoreRequest; a string on either side is a list of one text (one text_1 scores every text_2)."""
+    def as_list(texts: str | Iterable[str]) -> list[str]:
+        return [texts] if isinstance(texts, str) else list(texts)
+    return pb.ScoreRequest(text_1=as_list(text_1), text_2=as_list(text_2), truncate=truncate)
+
+
 def tokenize_request(text: str | None = None, *, messages: Iterable[Message] | None = None,
                      add_special_tokens: bool | None = None,
                      add_generation_prompt: bool | None = None) -> pb.TokenizeRequest:

@@ -89,6 +89,19 @@ class AsyncPagedServeClient:
         """Send many EmbedRequests on one EmbedStream; responses carry request_id and stream_index."""
         return AsyncResponseStream(self.stub.EmbedStream(requests, **self._call_options(timeout)))
 
+    async def rerank(self, query: str, texts: str | Iterable[str], *, top_n: int | None = None,
+                     return_text: bool = False, truncate: bool = False,
+                     timeout: float | None = _UNSET) -> pb.RerankResponse:
+        """Score every text against the query: RerankResponse.results best first (see PagedServeClient.rerank)."""
+        request = _convert.rerank_request(query, texts, top_n, return_text, truncate)
+        return await self.stub.Rerank(request, **self._call_options(timeout))
+
+    async def score(self, text_1: str | Iterable[str], text_2: str | Iterable[str], *, truncate: bool = False,
+                    timeout: float | None = _UNSET) -> list[float]:
+        """Scores of the pairs, input order (see PagedServeClient.score)."""
+        request = _convert.score_request(text_1, text_2, truncate)
+        return list((await self.stub.Score(request, **self._call_options(timeout))).scores)
+
     async def tokenize(self, text: str | None = None, *, messages: Iterable[Message] | None = None,
                        add_special_tokens: bool | None = None, add_generation_prompt: bool | None = None,
                        timeout: float | None = _UNSET) -> pb.TokenizeResponse:

@@ -2,6 +2,7 @@
 
     pagedserve-client [--target HOST:PORT] [--timeout S] generate "prompt" [sampling flags] [--chat] [--json]
     pagedserve-client embed TEXT... [--no-normalize] [--truncate] [--dimensions K]
+    pagedserve-client rerank --query Q TEXT... [--top-n N] [--return-text] [--truncate]
     pagedserve-client tokenize TEXT | detokenize ID... | info | health [--service S] | abort ID...
     pagedserve-client bench [--num-requests N] [--concurrency C] [--prompt P]... [--max-tokens M] [--out-dir D]
 
@@ -120,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "such an input is INVALID_ARGUMENT)")
     emb.add_argument("--dimensions", type=int, default=None,
                      help="keep the first K dimensions, then normalize (default: all)")
+
+    rr = sub.add_parser("rerank", help="score texts against a query, best first (JSON)")
+    rr.add_argument("texts", nargs="+", metavar="TEXT")
+    rr.add_argument("--query", required=True, help="the text every TEXT is scored against")
+    rr.add_argument("--top-n", type=int, default=None, help="only the best N (default: all)")
+    rr.add_argument("--return-text", action="store_true", help="echo each text in its result")
+    rr.add_argument("--truncate", action="store_true",
+                    help="cut a pair longer than the model's limit (default: such a pair is INVALID_ARGUMENT)")
 
     tok = sub.add_parser("tokenize", help="text to token ids (JSON)")
     tok.add_argument("text")
@@ -249,6 +258,11 @@ def _run_other(client: PagedServeClient, args: argparse.Namespace) -> int:
         response = client.embed(args.texts, args.normalize, args.truncate, args.dimensions)
         out: Any = {"embeddings": [list(e.values) for e in response.embeddings],
                     "usage": {"prompt_tokens": response.usage.prompt_tokens}}
+    elif args.command == "rerank":
+        response = client.rerank(args.query, args.texts, top_n=args.top_n, return_text=args.return_text,
+                                 truncate=args.truncate)
+        out = {"results": [_to_json(r) for r in response.results],
+               "usage": {"prompt_tokens": response.usage.prompt_tokens}}
     elif args.command == "tokenize":
         messages = _chat_or_none(args, args.text)
         response = client.tokenize(None if messages else args.text, messages=messages,

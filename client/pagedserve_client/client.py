@@ -100,6 +100,20 @@ class PagedServeClient:
         """Send many EmbedRequests on one EmbedStream; responses carry request_id and stream_index."""
         return ResponseStream(self.stub.EmbedStream(iter(requests), **self._call_options(timeout)))
 
+    def rerank(self, query: str, texts: str | Iterable[str], *, top_n: int | None = None, return_text: bool = False,
+               truncate: bool = False, timeout: float | None = _UNSET) -> pb.RerankResponse:
+        """Score every text against the query (the server's cross-encoder, else its embedding cosine):
+        RerankResponse.results best first, each with its index in texts, its score and (return_text) the text;
+        at most top_n of them. truncate cuts a pair longer than the model's limit (else INVALID_ARGUMENT)."""
+        request = _convert.rerank_request(query, texts, top_n, return_text, truncate)
+        return self.stub.Rerank(request, **self._call_options(timeout))
+
+    def score(self, text_1: str | Iterable[str], text_2: str | Iterable[str], *, truncate: bool = False,
+              timeout: float | None = _UNSET) -> list[float]:
+        """Scores of the pairs: one text_1 against every text_2, or text_1[i] with text_2[i]; input order."""
+        request = _convert.score_request(text_1, text_2, truncate)
+        return list(self.stub.Score(request, **self._call_options(timeout)).scores)
+
     def tokenize(self, text: str | None = None, *, messages: Iterable[Message] | None = None,
                  add_special_tokens: bool | None = None, add_generation_prompt: bool | None = None,
                  timeout: float | None = _UNSET) -> pb.TokenizeResponse:

@@ -191,6 +191,10 @@ class ServerConfig:
             concurrent Embed calls share micro-batches grouped by length.
         embed_threads: torch intra-op threads of the embedding worker; None: half of torch's threads when a
             generation model shares the CPU, else torch's setting.
+        rerank_model: cross-encoder directory for Rerank / Score (a Bert-, Roberta-, XLMRoberta- or
+            ModernBertForSequenceClassification checkpoint with one label, scored as sentence-transformers'
+            CrossEncoder does, batched across calls like embeddings); None or "none": Rerank / Score use the cosine
+            of the embedding model's vectors.
         shutdown_grace_s: seconds in-flight calls get to finish after SIGTERM/SIGINT before open streams end with
             ABORT.
         max_send_message_bytes: largest gRPC message sent (``grpc.max_send_message_length``).
@@ -242,6 +246,7 @@ class ServerConfig:
     embedding_model: str | None = None
     max_embed_batch_tokens: int = 2048
     embed_threads: int | None = None
+    rerank_model: str | None = None
     shutdown_grace_s: float = 10.0
     max_send_message_bytes: int = 16 * 1024 * 1024
     max_receive_message_bytes: int = 16 * 1024 * 1024
@@ -267,6 +272,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.embedding_model is not None and self.embedding_model.lower() == "none":
             object.__setattr__(self, "embedding_model", "")
+        if self.rerank_model is not None and self.rerank_model.lower() in ("none", ""):
+            object.__setattr__(self, "rerank_model", None)
         for name in ("port", "http_port", "metrics_port"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= 65535, name, "must be in [0, 65535]")

@@ -90,6 +90,21 @@ class FakeInferenceServicer(pb_grpc.InferenceServiceServicer):
         self._enter("Detokenize", request, context)
         return pb.DetokenizeResponse(text="".join(chr(i) for i in request.token_ids))
 
+    def Rerank(self, request, context):
+        self._enter("Rerank", request, context)
+        order = sorted(range(len(request.texts)), key=lambda i: -len(request.texts[i]))
+        if request.HasField("top_n"):
+            order = order[:request.top_n]
+        results = [pb.RerankResult(index=i, score=len(request.texts[i]),
+                                   **({"text": request.texts[i]} if request.return_text else {})) for i in order]
+        return pb.RerankResponse(results=results, usage=pb.EmbedUsage(prompt_tokens=5))
+
+    def Score(self, request, context):
+        self._enter("Score", request, context)
+        return pb.ScoreResponse(scores=[len(a) * len(b) for a, b in zip(
+            list(request.text_1) * len(request.text_2) if len(request.text_1) == 1 else request.text_1,
+            request.text_2)])
+
     def GetModelInfo(self, request, context):
         self._enter("GetModelInfo", request, context)
         return pb.GetModelInfoResponse(generation=pb.GenerationModelInfo(name="fake-llm", block_size=16))
@@ -181,6 +196,29 @@ def test_unary_methods_and_presence(target, fake):
     detok = fake.requests["Detokenize"][0]
     assert detok.HasField("skip_special_tokens") and not detok.skip_special_tokens
     assert not fake.requests["Tokenize"][0].HasField("add_special_tokens")
+
+
+def test_rerank_and_score_sync_async_and_cli(target, fake, capsys):
+    with PagedServeClient(target, timeout_s=10) as client:
+        ranked = client.rerank("q", ["a", "abc", "ab"], top_n=2, return_text=True)
+        assert [(r.index, r.score, r.text) for r in ranked.results] == [(1, 3.0, "abc"), (2, 2.0, "ab")]
+        assert client.score("ab", ["a", "abc"]) == [2.0, 6.0]
+        assert client.score(["ab", "a"], ["a", "abc"], truncate=True) == [2.0, 3.0]
+
+    async def scenario():
+        async with AsyncPagedServeClient(target, timeout_s=10) as client:
+            return await client.rerank("q", "xy"), await client.score("abc", "ab")
+
+    ranked_async, scored = asyncio.run(scenario())
+    assert [r.index for r in ranked_async.results] == [0] and scored == [6.0]
+    first, second = fake.requests["Rerank"]
+    assert first.HasField("top_n") and first.return_text and not second.HasField("top_n")
+    assert not second.return_text and list(second.texts) == ["xy"] and not second.truncate
+    assert [r.truncate for r in fake.requests["Score"]] == [False, True, False]
+    code, out, _ = run_cli(target, "rerank", "--query", "q", "a", "abcd", "--top-n", "1", "--truncate",
+                           capsys=capsys)
+    assert code == 0 and json.loads(out) == {"results": [{"index": 1, "score": 4.0}], "usage": {"prompt_tokens": 5}}
+    assert fake.requests["Rerank"][-1].truncate and fake.requests["Rerank"][-1].query == "q"
 
 
 def test_unary_calls_are_retried_on_unavailable_but_generate_is_not(target, fake):

@@ -24,6 +24,8 @@ RPCS = {
     "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False, False),
     "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False, False),
     "Abort": ("AbortRequest", "AbortResponse", False, False),
+    "Rerank": ("RerankRequest", "RerankResponse", False, False),
+    "Score": ("ScoreRequest", "ScoreResponse", False, False),
 }
 SAMPLING_SCALARS = ["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "include_stop_str_in_output",
@@ -48,6 +50,11 @@ FIELDS = {
     "GenerationModelInfo": ["name", "architecture", "dtype", "max_model_len", "vocab_size", "block_size",
                             "num_kv_blocks"],
     "EmbeddingModelInfo": ["embedding_dimension"],
+    "RerankRequest": ["query", "texts", "top_n", "return_text", "truncate"],
+    "RerankResponse": ["results", "usage"],
+    "RerankResult": ["index", "score", "text"],
+    "ScoreRequest": ["text_1", "text_2", "truncate"],
+    "ScoreResponse": ["scores", "usage"],
 }
 
 
@@ -116,7 +123,8 @@ def test_structured_output_is_a_oneof_with_api_md_names():
 def test_presence_where_a_zero_is_meaningful():
     for message, names in {"EmbedRequest": ["normalize", "truncate", "dimensions"],
                            "TokenizeRequest": ["add_special_tokens", "add_generation_prompt"],
-                           "DetokenizeRequest": ["skip_special_tokens"]}.items():
+                           "DetokenizeRequest": ["skip_special_tokens"],
+                           "RerankRequest": ["top_n"], "RerankResult": ["text"]}.items():
         fields = getattr(pb, message).DESCRIPTOR.fields_by_name
         for name in names:
             assert fields[name].has_presence, f"{message}.{name}"
@@ -144,6 +152,7 @@ def test_model_info_response_parts():
     assert fields["generation"].message_type.name == "GenerationModelInfo"
     assert fields["embedding"].message_type.name == "EmbeddingModelInfo"
     assert fields["generation"].has_presence and fields["embedding"].has_presence
+    assert fields["rerank"].message_type.name == "RerankModelInfo" and fields["rerank"].has_presence
 
 
 @pytest.mark.skipif(not API_MD.exists(), reason="API.md is not beside this checkout")

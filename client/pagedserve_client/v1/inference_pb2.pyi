@@ -1261,6 +1261,7 @@ class GetModelInfoResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     EMBEDDING_FIELD_NUMBER: _builtins.int
     KV_CACHE_FIELD_NUMBER: _builtins.int
+    RERANK_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def generation(self) -> Global___GenerationModelInfo:
         """Unset when no generation model is loaded."""
@@ -1271,16 +1272,21 @@ class GetModelInfoResponse(_message.Message):
 
     @_builtins.property
     def kv_cache(self) -> Global___KVCacheStats: ...
+    @_builtins.property
+    def rerank(self) -> Global___RerankModelInfo:
+        """What Rerank and Score run on: the cross-encoder, or the embedding model (cosine); unset when neither is loaded."""
+
     def __init__(
         self,
         *,
         generation: Global___GenerationModelInfo | None = ...,
         embedding: Global___EmbeddingModelInfo | None = ...,
         kv_cache: Global___KVCacheStats | None = ...,
+        rerank: Global___RerankModelInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1327,3 +1333,200 @@ class AbortResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortResponse: _TypeAlias = AbortResponse  # noqa: Y015
+
+@_typing.final
+class RerankRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUERY_FIELD_NUMBER: _builtins.int
+    TEXTS_FIELD_NUMBER: _builtins.int
+    TOP_N_FIELD_NUMBER: _builtins.int
+    RETURN_TEXT_FIELD_NUMBER: _builtins.int
+    TRUNCATE_FIELD_NUMBER: _builtins.int
+    query: _builtins.str
+    """The query every text is scored against; must not be empty."""
+    top_n: _builtins.int
+    """Return only the best n (all when unset, or when n exceeds the texts); 0 is INVALID_ARGUMENT."""
+    return_text: _builtins.bool
+    """Echo each text in its result."""
+    truncate: _builtins.bool
+    """Cut a (query, text) pair longer than the model's limit, the longer side first. Default false: such a pair is
+    INVALID_ARGUMENT naming texts[i].
+    """
+    @_builtins.property
+    def texts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Texts to score, at least one."""
+
+    def __init__(
+        self,
+        *,
+        query: _builtins.str = ...,
+        texts: _abc.Iterable[_builtins.str] | None = ...,
+        top_n: _builtins.int | None = ...,
+        return_text: _builtins.bool = ...,
+        truncate: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_top_n", b"_top_n", "top_n", b"top_n"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_top_n", b"_top_n", "query", b"query", "return_text", b"return_text", "texts", b"texts", "top_n", b"top_n", "truncate", b"truncate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__top_n: _TypeAlias = _typing.Literal["top_n"]  # noqa: Y015
+    _WhichOneofArgType__top_n: _TypeAlias = _typing.Literal["_top_n", b"_top_n"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_n) -> _WhichOneofReturnType__top_n | None: ...
+
+Global___RerankRequest: _TypeAlias = RerankRequest  # noqa: Y015
+
+@_typing.final
+class RerankResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The text's position in RerankRequest.texts."""
+    score: _builtins.float
+    """The cross-encoder's score (its activation applied: sigmoid gives [0, 1]), or the cosine in [-1, 1]."""
+    text: _builtins.str
+    """The text, when return_text was set."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        score: _builtins.float = ...,
+        text: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "index", b"index", "score", b"score", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__text: _TypeAlias = _typing.Literal["text"]  # noqa: Y015
+    _WhichOneofArgType__text: _TypeAlias = _typing.Literal["_text", b"_text"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__text) -> _WhichOneofReturnType__text | None: ...
+
+Global___RerankResult: _TypeAlias = RerankResult  # noqa: Y015
+
+@_typing.final
+class RerankResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RerankResult]:
+        """Best first (ties in input order), at most top_n."""
+
+    @_builtins.property
+    def usage(self) -> Global___EmbedUsage:
+        """Tokens run through the model over all pairs (or texts), special tokens included."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___RerankResult] | None = ...,
+        usage: Global___EmbedUsage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RerankResponse: _TypeAlias = RerankResponse  # noqa: Y015
+
+@_typing.final
+class ScoreRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_1_FIELD_NUMBER: _builtins.int
+    TEXT_2_FIELD_NUMBER: _builtins.int
+    TRUNCATE_FIELD_NUMBER: _builtins.int
+    truncate: _builtins.bool
+    """As RerankRequest.truncate; a pair too long without it is INVALID_ARGUMENT naming text_2[i]."""
+    @_builtins.property
+    def text_1(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """One text (scored against every text_2) or as many as text_2 (pair i is text_1[i], text_2[i]); none empty."""
+
+    @_builtins.property
+    def text_2(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """At least one text."""
+
+    def __init__(
+        self,
+        *,
+        text_1: _abc.Iterable[_builtins.str] | None = ...,
+        text_2: _abc.Iterable[_builtins.str] | None = ...,
+        truncate: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text_1", b"text_1", "text_2", b"text_2", "truncate", b"truncate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreRequest: _TypeAlias = ScoreRequest  # noqa: Y015
+
+@_typing.final
+class ScoreResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCORES_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def scores(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """One per pair, in input order."""
+
+    @_builtins.property
+    def usage(self) -> Global___EmbedUsage: ...
+    def __init__(
+        self,
+        *,
+        scores: _abc.Iterable[_builtins.float] | None = ...,
+        usage: Global___EmbedUsage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["scores", b"scores", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreResponse: _TypeAlias = ScoreResponse  # noqa: Y015
+
+@_typing.final
+class RerankModelInfo(_message.Message):
+    """RerankModelInfo: the model behind Rerank and Score."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    ARCHITECTURE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    MAX_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    ACTIVATION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    kind: _builtins.str
+    """cross-encoder, or embedding-cosine (no cross-encoder loaded: the embedding model's vectors)."""
+    architecture: _builtins.str
+    dtype: _builtins.str
+    max_input_tokens: _builtins.int
+    """Longest pair (cross-encoder) or text (embedding), special tokens included."""
+    activation: _builtins.str
+    """What maps a logit to the score: sigmoid, identity or tanh; cosine for embedding-cosine."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        architecture: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        max_input_tokens: _builtins.int = ...,
+        activation: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation", b"activation", "architecture", b"architecture", "dtype", b"dtype", "kind", b"kind", "max_input_tokens", b"max_input_tokens", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RerankModelInfo: _TypeAlias = RerankModelInfo  # noqa: Y015

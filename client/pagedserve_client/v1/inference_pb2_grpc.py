@@ -70,6 +70,16 @@ class InferenceServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_inference__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_inference__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/pagedserve.v1.InferenceService/Rerank',
+                request_serializer=pagedserve_dot_v1_dot_inference__pb2.RerankRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_inference__pb2.RerankResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/pagedserve.v1.InferenceService/Score',
+                request_serializer=pagedserve_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_inference__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -125,6 +135,21 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rerank(self, request, context):
+        """Rerank scores each text against the query (the cross-encoder, else the cosine of the embedding model's
+        vectors) and returns them best first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Score gives the scores of text_1/text_2 pairs (one text_1 against every text_2, or pair by pair), input order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +187,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pagedserve_dot_v1_dot_inference__pb2.AbortRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_inference__pb2.AbortResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=pagedserve_dot_v1_dot_inference__pb2.RerankRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_inference__pb2.RerankResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=pagedserve_dot_v1_dot_inference__pb2.ScoreRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_inference__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +389,60 @@ class InferenceService:
             '/pagedserve.v1.InferenceService/Abort',
             pagedserve_dot_v1_dot_inference__pb2.AbortRequest.SerializeToString,
             pagedserve_dot_v1_dot_inference__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.InferenceService/Rerank',
+            pagedserve_dot_v1_dot_inference__pb2.RerankRequest.SerializeToString,
+            pagedserve_dot_v1_dot_inference__pb2.RerankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.InferenceService/Score',
+            pagedserve_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
+            pagedserve_dot_v1_dot_inference__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,12 @@ class InferenceServiceStub:
     """GetModelInfo describes the served models and the KV cache."""
     Abort: _grpc.UnaryUnaryMultiCallable[_inference_pb2.AbortRequest, _inference_pb2.AbortResponse]
     """Abort stops running requests by id. Idempotent: unknown or finished ids are not an error."""
+    Rerank: _grpc.UnaryUnaryMultiCallable[_inference_pb2.RerankRequest, _inference_pb2.RerankResponse]
+    """Rerank scores each text against the query (the cross-encoder, else the cosine of the embedding model's
+    vectors) and returns them best first.
+    """
+    Score: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ScoreRequest, _inference_pb2.ScoreResponse]
+    """Score gives the scores of text_1/text_2 pairs (one text_1 against every text_2, or pair by pair), input order."""
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
@@ -67,6 +73,12 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """GetModelInfo describes the served models and the KV cache."""
     Abort: _aio.UnaryUnaryMultiCallable[_inference_pb2.AbortRequest, _inference_pb2.AbortResponse]  # type: ignore[assignment]
     """Abort stops running requests by id. Idempotent: unknown or finished ids are not an error."""
+    Rerank: _aio.UnaryUnaryMultiCallable[_inference_pb2.RerankRequest, _inference_pb2.RerankResponse]  # type: ignore[assignment]
+    """Rerank scores each text against the query (the cross-encoder, else the cosine of the embedding model's
+    vectors) and returns them best first.
+    """
+    Score: _aio.UnaryUnaryMultiCallable[_inference_pb2.ScoreRequest, _inference_pb2.ScoreResponse]  # type: ignore[assignment]
+    """Score gives the scores of text_1/text_2 pairs (one text_1 against every text_2, or pair by pair), input order."""
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """InferenceService serves one causal LLM (Generate) and one embedding model (Embed)."""
@@ -126,5 +138,23 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.AbortResponse, _abc.Awaitable[_inference_pb2.AbortResponse]]:
         """Abort stops running requests by id. Idempotent: unknown or finished ids are not an error."""
+
+    @_abc_1.abstractmethod
+    def Rerank(
+        self,
+        request: _inference_pb2.RerankRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.RerankResponse, _abc.Awaitable[_inference_pb2.RerankResponse]]:
+        """Rerank scores each text against the query (the cross-encoder, else the cosine of the embedding model's
+        vectors) and returns them best first.
+        """
+
+    @_abc_1.abstractmethod
+    def Score(
+        self,
+        request: _inference_pb2.ScoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.ScoreResponse, _abc.Awaitable[_inference_pb2.ScoreResponse]]:
+        """Score gives the scores of text_1/text_2 pairs (one text_1 against every text_2, or pair by pair), input order."""
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,4 +1,5 @@
-"""Dynamic batching of Embed calls: the inputs of every waiting call share micro-batches grouped by length.
+"""Dynamic batching of Embed calls (and cross-encoder Rerank/Score calls): the inputs of every waiting call share
+micro-batches grouped by length.
 
 Each call's texts are tokenized off the event loop, then every input becomes a pending item in one pool, kept
 sorted by token length. A single worker thread repeatedly takes one micro-batch from the pool and runs it through
@@ -13,7 +14,10 @@ padded size ``rows * longest`` stays within ``max_batch_tokens`` and padding sta
 Padded keys are masked, so the grouping never changes a vector.
 
 Each call gets its vectors in its own input order; cancelling a call (client cancel, deadline) drops its inputs
-that have not run yet.
+that have not run yet. The model is anything with ``encode_micro_batch(inputs) -> [b, dimension]`` and
+``dimension`` whose inputs have a length in tokens (:class:`MicroBatchModel`): an :class:`Embedder` (token id
+lists), or a :class:`~pagedserve.embedding.cross_encoder.CrossEncoder` (tokenized pairs, one row of scores each),
+whose calls go through :meth:`EmbedBatcher.run`.
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ import collections
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 import torch
@@ -35,18 +41,28 @@ from .interface import EmbeddingModelInfo, EmbedInputs, EmbedResult, is_token_id
 log = structlog.get_logger(__name__)
 
 
+class MicroBatchModel(Protocol):
+    """What the batcher runs on its worker thread."""
+
+    dimension: int   # width of one output row
+
+    def encode_micro_batch(self, inputs: list) -> torch.Tensor:
+        """``[len(inputs), dimension]`` float32 on CPU, row i for input i (each input has a ``len`` in tokens)."""
+        ...
+
+
 class _Call:
-    """One Embed call in flight: its inputs' token ids and the vectors filled in as micro-batches finish."""
+    """One call in flight: its inputs (token ids, or tokenized pairs) and the rows filled in as micro-batches
+    finish."""
 
-    __slots__ = ("loop", "future", "token_ids", "normalize", "dimensions", "vectors", "remaining", "cancelled",
-                 "items", "cursor")
+    __slots__ = ("loop", "future", "token_ids", "finish", "vectors", "remaining", "cancelled", "items", "cursor")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, token_ids: list[list[int]], dimension: int,
-                 normalize: bool, dimensions: int | None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, token_ids: list[Sized], dimension: int,
+                 finish: Callable[[torch.Tensor], torch.Tensor] | None):
         self.loop = loop
-        self.future: asyncio.Future = loop.create_future()     # resolves to the finished [N, D'] vectors
+        self.future: asyncio.Future = loop.create_future()     # resolves to the finished [N, D'] rows
         self.token_ids = token_ids                              # per input, special tokens included
-        self.normalize, self.dimensions = normalize, dimensions  # the API's post-processing (Embedder.finish)
+        self.finish = finish                                    # post-processing on the worker (Embedder.finish)
         self.vectors = torch.empty(len(token_ids), dimension)   # [N, dimension] float32, row i for input i
         self.remaining = len(token_ids)                         # inputs not yet embedded (worker thread only)
         self.cancelled = False                                  # set on the loop when the caller goes away
@@ -100,7 +116,8 @@ class EmbedBatcher:
     """Batches the inputs of concurrent :meth:`embed` calls into micro-batches run by one worker thread.
 
     Args:
-        embedder: the model; only its ``encode_micro_batch`` runs on the worker thread.
+        embedder: the model (an :class:`Embedder` for :meth:`embed`, any :class:`MicroBatchModel` for :meth:`run`);
+            only its ``encode_micro_batch`` runs on the worker thread.
         max_batch_tokens: padded tokens (rows * longest input) per micro-batch; a longer single input runs alone.
         max_padding_fraction: a neighbour joins a micro-batch only if padding stays at most this fraction of its
             padded tokens (or the batch stays within ``small_batch_tokens``); padding costs attention work only.
@@ -111,7 +128,7 @@ class EmbedBatcher:
             process setting of before.
     """
 
-    def __init__(self, embedder: Embedder, max_batch_tokens: int = 2048, *, max_padding_fraction: float = 0.5,
+    def __init__(self, embedder: Embedder | MicroBatchModel, max_batch_tokens: int = 2048, *, max_padding_fraction: float = 0.5,
                  small_batch_tokens: int = 128, tokenize_executor: concurrent.futures.Executor | None = None,
                  num_threads: int | None = None):
         if max_batch_tokens <= 0:
@@ -164,20 +181,35 @@ class EmbedBatcher:
         """
         self.embedder.check_dimensions(dimensions)
         self._check_open()
-        loop = asyncio.get_running_loop()
         if is_token_id_inputs(inputs):
             token_ids = self.embedder.check_token_ids(list(inputs), truncate)
         else:
-            token_ids = await loop.run_in_executor(self._tokenize_executor, self.embedder.tokenize, inputs,
-                                                   truncate)
-        call = _Call(loop, token_ids, self.embedder.dimension, normalize, dimensions)
+            token_ids = await self.tokenize(self.embedder.tokenize, inputs, truncate)
+        vectors = await self.run(token_ids, lambda v: Embedder.finish(v, normalize, dimensions))
+        return EmbedResult(vectors, sum(map(len, token_ids)))
+
+    async def tokenize(self, fn: Callable, *args):
+        """``fn(*args)`` on the tokenizing thread (off the event loop), e.g. the model's tokenizer."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_executor, fn, *args)
+
+    async def run(self, inputs: list[Sized], finish: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+        """Run already tokenized ``inputs`` (each as long as ``len`` says) through the model's micro-batches,
+        sharing them with every other waiting call: ``[N, dimension]`` float32 CPU rows in input order, or what
+        ``finish`` makes of them (run on the worker thread, no torch work on the event loop).
+
+        Raises:
+            EngineUnavailableError: the batcher is closed.
+            asyncio.CancelledError: the caller was cancelled; its pending inputs are dropped.
+        """
+        self._check_open()
+        call = _Call(asyncio.get_running_loop(), inputs, self.embedder.dimension, finish)
         self._enqueue(call)
         try:
-            vectors = await call.future
+            return await call.future
         except asyncio.CancelledError:
             self._drop(call)
             raise
-        return EmbedResult(vectors, sum(map(len, token_ids)))
 
     def close(self) -> None:
         """Stop the worker after its current micro-batch; calls still waiting get EngineUnavailableError."""
@@ -304,5 +336,5 @@ class EmbedBatcher:
             call.vectors[item.index] = vectors[row]
             call.remaining -= 1
             if call.remaining == 0:   # post-processing here too: no torch work on the event loop
-                call.post(Embedder.finish(call.vectors, call.normalize, call.dimensions))
+                call.post(call.vectors if call.finish is None else call.finish(call.vectors))
 

@@ -96,6 +96,9 @@ class App:
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2))
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)
+        if self.services.rerank is not None:
+            rerank = self.services.rerank.info
+            fields.update(rerank_model=rerank.name, rerank_kind=rerank.kind)
         host = self.server_config.host
         log.info("ready", **fields, served_model_name=self.services.generation_name, grpc=f"{host}:{self.port}",
                  http=f"{host}:{self.http_port}" if self.http_port is not None else None,

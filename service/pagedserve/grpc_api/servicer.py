@@ -11,6 +11,7 @@ from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 
 from ..errors import InvalidInputError
 from ..serving.pipeline import open_generation
+from ..serving.rerank import rerank, score
 from ..serving.services import Services
 from . import convert
 
@@ -114,8 +115,30 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             resp.embedding.CopyFrom(pb.EmbeddingModelInfo(
                 name=emb.name, architecture=emb.architecture, dtype=emb.dtype, max_input_tokens=emb.max_input_tokens,
                 embedding_dimension=emb.dimension, pooling=emb.pooling))
+        if self.services.rerank is not None:
+            info = self.services.rerank.info
+            resp.rerank.CopyFrom(pb.RerankModelInfo(
+                name=info.name, kind=info.kind, architecture=info.architecture, dtype=info.dtype,
+                max_input_tokens=info.max_input_tokens, activation=info.activation))
         return resp
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         generation = self.services.require_generation()
         return pb.AbortResponse(aborted_request_ids=await generation.abort(list(request.request_ids)))
+
+    async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
+        scorer = self.services.require_rerank()
+        top_n = request.top_n if request.HasField("top_n") else None
+        result = await rerank(scorer, request.query, list(request.texts), top_n, request.truncate)
+        resp = pb.RerankResponse()
+        for ranked in result.results:
+            entry = resp.results.add(index=ranked.index, score=ranked.score)
+            if request.return_text:
+                entry.text = request.texts[ranked.index]
+        resp.usage.prompt_tokens = result.prompt_tokens
+        return resp
+
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        scorer = self.services.require_rerank()
+        result = await score(scorer, list(request.text_1), list(request.text_2), request.truncate)
+        return pb.ScoreResponse(scores=result.scores, usage=pb.EmbedUsage(prompt_tokens=result.prompt_tokens))

@@ -4,10 +4,13 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 ``GET /v1/models/{model}``,
 ``GET /health``, ``GET /metrics`` (the server's Prometheus registry), ``POST /tokenize``, ``POST /detokenize``
 (vLLM's shapes); and what a router in front of several replicas asks (:mod:`.fleet_routes`):
-``POST /v1/chat/completions/render``, ``POST /v1/completions/render``, ``GET /get_load``.
+``POST /v1/chat/completions/render``, ``POST /v1/completions/render``, ``GET /get_load``; rerank and score
+(:mod:`.rerank_routes`): ``POST /rerank`` (TEI's shape), ``POST /v1/rerank``, ``POST /v2/rerank`` (Jina's and
+Cohere's), ``POST /score``, ``POST /v1/score`` (vLLM's).
 
 :class:`GateMiddleware`: API keys (``Authorization: Bearer``, :class:`~pagedserve.serving.auth.ApiKeys`) on
-``/v1/*``, ``/tokenize`` and ``/detokenize`` (``/health`` and ``/metrics`` stay open); 413 for a body over
+``/v1/*``, ``/v2/*``, ``/tokenize``, ``/detokenize``, ``/rerank`` and ``/score`` (``/health`` and ``/metrics`` stay
+open); 413 for a body over
 ``max_request_body_bytes`` (by Content-Length, or counted as a chunked body arrives); and the HTTP adapter of the
 process's :class:`~pagedserve.serving.calls.CallTracker`: 503 for API calls once shutdown has begun, API requests
 (streams included) counted in flight, which shutdown drains. CORS preflights pass the
@@ -37,10 +40,11 @@ from . import convert as cv
 from . import errors
 from .fleet_routes import build_router as build_fleet_router
 from .openai_serving import OpenAIServing
+from .rerank_routes import build_router as build_rerank_router
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                        TokenizeRequest)
 
-API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+API_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/rerank", "/score")
 
 
 class GateMiddleware:
@@ -187,6 +191,7 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
         return {"prompt": services.require_generation().detokenize(body.tokens, field="tokens")}
 
     app.include_router(build_fleet_router(services))
+    app.include_router(build_rerank_router(services))
     app.add_middleware(CORSMiddleware, allow_origins=config.cors_list("allowed_origins"),
                        allow_methods=config.cors_list("allowed_methods"),
                        allow_headers=config.cors_list("allowed_headers"), allow_credentials=config.allow_credentials)

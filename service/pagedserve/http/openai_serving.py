@@ -61,6 +61,8 @@ class OpenAIServing:
             names.append(self.generation_name)
         if self.services.embedding is not None and self.embedding_name and self.embedding_name not in names:
             names.append(self.embedding_name)
+        if self.services.rerank is not None and self.services.rerank_name not in names:
+            names.append(self.services.rerank_name)   # a cross-encoder (the cosine fallback is the embedding's)
         return names
 
     def _check_model(self, model: str | None, served: str | None, kind: str) -> str:

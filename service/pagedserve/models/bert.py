@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 # HF ``hidden_act`` names -> activation (HF ACT2FN semantics: "gelu" is the exact erf form).
-_ACTIVATIONS = {
+HIDDEN_ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -46,7 +46,7 @@ class BertConfig:
     num_hidden_layers: int
     num_attention_heads: int
     intermediate_size: int         # MLP width
-    hidden_act: str                # key of _ACTIVATIONS
+    hidden_act: str                # key of HIDDEN_ACTIVATIONS
     max_position_embeddings: int   # rows of the absolute position table: the longest input, in tokens
     type_vocab_size: int
     layer_norm_eps: float
@@ -57,8 +57,9 @@ class BertConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
                              f"num_attention_heads {self.num_attention_heads}")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
+        if self.hidden_act not in HIDDEN_ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; "
+                             f"expected one of {sorted(HIDDEN_ACTIVATIONS)}")
 
     @property
     def head_dim(self) -> int:
@@ -181,7 +182,7 @@ class BertLayer(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size)
         self.down_proj = nn.Linear(cfg.intermediate_size, h)
         self.mlp_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act = HIDDEN_ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """``x`` ``[T, H]`` packed tokens of ``batch`` -> ``[T, H]``."""

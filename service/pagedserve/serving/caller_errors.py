@@ -50,8 +50,9 @@ def error_kind(exc: BaseException) -> ErrorKind:
 SAMPLING_PREFIX = "sampling."
 """How the engine's errors prefix a sampling field (``sampling.temperature``), as the gRPC API nests them."""
 
-_HEAD_WITH_FIRST_INDEX = re.compile(r"[A-Za-z_]*(\[0\])?")
-_HEAD = re.compile(r"[A-Za-z_]*")
+_NAME = r"(?:[A-Za-z_][A-Za-z0-9_]*)?"    # a field name (``text_1``), or nothing
+_HEAD_WITH_FIRST_INDEX = re.compile(_NAME + r"(\[0\])?")
+_HEAD = re.compile(_NAME)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import structlog
 
 from ..config import EngineConfig, ServerConfig
 from ..embedding import EmbeddingService
+from ..embedding.scoring import CrossEncoderScorer, EmbeddingScorer, ScoringService
 from ..engine import builder
 from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
@@ -32,8 +33,8 @@ class ServiceFactory:
     """Builds :class:`Services` from the two configs.
 
     Args:
-        server_config: which models to serve (``generation_model``, ``embedding_model``) and the embedder's
-            batching settings.
+        server_config: which models to serve (``generation_model``, ``embedding_model``, ``rerank_model``) and
+            the embedder's batching settings.
         engine_config: the generation engine's settings (also the base of a decoder embedding model's engine).
         build_engine: ``build_engine(EngineConfig) -> (LLMEngine, EngineInfo)``; default
             :func:`pagedserve.engine.builder.build_engine`.
@@ -49,15 +50,18 @@ class ServiceFactory:
                    on_engine_dead: Callable[[BaseException], None] | None = None) -> None:
         """Load every configured model into ``services`` (warmed up), binding engine stats to ``metrics``.
 
+        Without ``rerank_model``, Rerank / Score use the embedding model's cosine (when one is loaded).
+
         Raises:
-            FileNotFoundError, ValueError: a missing or unsupported model, or ``--embedding-model llm`` without
-                a generation model.
+            FileNotFoundError, ValueError: a missing or unsupported model, ``--embedding-model llm`` without
+                a generation model, or a rerank model with more than one label.
         """
         from tqdm import tqdm
 
         cfg = self.server_config
         stages = (["generation model"] if cfg.generation_model else []) + \
-            (["embedding model"] if cfg.embedding_model != "" else [])
+            (["embedding model"] if cfg.embedding_model != "" else []) + \
+            (["rerank model"] if cfg.rerank_model else [])
         with tqdm(total=len(stages), desc="loading", unit="stage", disable=None, leave=False) as bar:
             if cfg.generation_model:
                 bar.set_postfix_str("generation model")
@@ -67,6 +71,15 @@ class ServiceFactory:
                 bar.set_postfix_str("embedding model")
                 services.embedding = await self._embedding(services.generation)
                 bar.update()
+            if cfg.rerank_model:
+                bar.set_postfix_str("rerank model")
+                services.rerank = await in_daemon_thread(self._cross_encoder, cfg.rerank_model,
+                                                         services.generation is not None)
+                services.rerank_name = cfg.rerank_model
+                bar.update()
+            elif services.embedding is not None:
+                services.rerank = EmbeddingScorer(services.embedding)
+                services.rerank_name = services.embedding_name
 
     async def _generation(self, metrics: ServerMetrics, on_dead, served_name: str) -> GenerationService:
         engine, info = await in_daemon_thread(self.build_engine, self.engine_config)
@@ -108,6 +121,20 @@ class ServiceFactory:
         embedder = Embedder.from_pretrained(path or embedded_embedding_path())
         threads = self.server_config.embed_threads or default_num_threads(shares_cpu, embedder.device)
         return EmbedBatcher(embedder, self.server_config.max_embed_batch_tokens, num_threads=threads)
+
+
+    def _cross_encoder(self, path: str, shares_cpu: bool) -> ScoringService:
+        from ..embedding.batcher import EmbedBatcher, default_num_threads
+        from ..embedding.cross_encoder import CrossEncoder
+
+        model = CrossEncoder.from_pretrained(path, max_batch_tokens=self.server_config.max_embed_batch_tokens)
+        threads = self.server_config.embed_threads or default_num_threads(shares_cpu, model.device)
+        batcher = EmbedBatcher(model, self.server_config.max_embed_batch_tokens, num_threads=threads)
+        try:
+            return CrossEncoderScorer(batcher)
+        except ValueError:
+            batcher.close()
+            raise
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ..config import ServerConfig
 from ..embedding import EmbeddingService
+from ..embedding.scoring import ScoringService
 from ..errors import EngineUnavailableError, ModelNotLoadedError
 from .generation import GenerationService
 
@@ -30,6 +31,8 @@ class Services:
     embedding_name: str = EMBEDDED_EMBEDDING_NAME
     generation: GenerationService | None = None
     embedding: EmbeddingService | None = None
+    rerank: ScoringService | None = None   # the cross-encoder, else the embedding model's cosine, else None
+    rerank_name: str = ""                  # its served name: --rerank-model as given, or the embedding name
     loading: bool = True          # models still loading
     shutting_down: bool = False   # shutdown has begun: new work is refused
 
@@ -46,6 +49,10 @@ class Services:
         """The embedding service; raises as :meth:`require_generation` does."""
         return self._require(self.embedding, "embedding")
 
+    def require_rerank(self) -> ScoringService:
+        """The scoring service of Rerank / Score; raises as :meth:`require_generation` does."""
+        return self._require(self.rerank, "rerank (or embedding)")
+
     def _require(self, service, kind: str):
         self._check_open()
         if service is None:
@@ -59,8 +66,10 @@ class Services:
             raise EngineUnavailableError("the server is shutting down")
 
     async def aclose(self) -> None:
-        """Stop the generation engine (live requests end with "abort") and the embedding service."""
+        """Stop the generation engine (live requests end with "abort"), the rerank and embedding services."""
         if self.generation is not None:
             await self.generation.shutdown()
+        if self.rerank is not None:
+            await self.rerank.aclose()
         if self.embedding is not None:
             await self.embedding.aclose()
