@@ -23,15 +23,18 @@ TEXTS = {"hermes": HERMES, "llama3_json": LLAMA}
 
 
 def _reassemble(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[dict]]:
-    """Feed pieces; join content and merge tool-call deltas by index the way the SDK's stream helpers do."""
+    """Feed pieces; join content and merge tool-call deltas by index the way the SDK's stream helpers do. Each
+    feed (one chunk) holds at most one entry per call index."""
     content, calls = "", {}
     for k, piece in enumerate(pieces):
         text, deltas = stream.feed(piece, final=k == len(pieces) - 1)
         content += text
+        assert len({d["index"] for d in deltas}) == len(deltas), deltas
         for d in deltas:
             if "id" in d:
-                assert d["index"] not in calls and d["type"] == "function" and d["function"]["arguments"] == ""
-                calls[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+                assert d["index"] not in calls and d["type"] == "function"
+                calls[d["index"]] = {"id": d["id"], "name": d["function"]["name"],
+                                     "arguments": d["function"]["arguments"]}
             else:
                 calls[d["index"]]["arguments"] += d["function"]["arguments"]
     return content, [calls[i] for i in sorted(calls)]
@@ -72,6 +75,19 @@ def test_plain_text_is_content(name):
                                   '</tool_call>', '<tool_call>{"arguments": {}}</tool_call>'])
 def test_hermes_invalid_calls_fall_back_to_content(text):
     assert parse_whole(make_parser("hermes"), text) == (text, [])
+
+
+def test_a_call_whose_name_and_arguments_come_in_one_feed_is_one_entry():
+    """The header carries the arguments' first fragment (vLLM's shape): one entry per index in a chunk."""
+    stream = ToolCallStream(RequiredCallsParser())
+    content, deltas = stream.feed('[{"name": "get_weather", "parameters": {"city": "Os')
+    assert content == "" and len(deltas) == 1
+    assert deltas[0]["index"] == 0 and deltas[0]["id"].startswith("chatcmpl-tool-")
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Os'}
+    _, deltas = stream.feed('lo"}}, {"name": "get_time", "parameters": {"tz": "UTC"}}]', final=True)
+    assert [d["index"] for d in deltas] == [0, 1]
+    assert deltas[0] == {"index": 0, "function": {"arguments": 'lo"}'}}
+    assert deltas[1]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'} and "id" in deltas[1]
 
 
 def test_named_and_required_outputs():
