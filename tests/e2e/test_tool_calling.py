@@ -150,6 +150,27 @@ def test_streamed_named_call_sends_one_entry_per_index_and_the_sdk_sees_one_call
     assert calls[0].function.parsed_arguments == json.loads(whole[0].function.arguments)
 
 
+PING = {"type": "function", "function": {"name": "ping", "description": "Check the service is up"}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "ping"}}, "required"],
+                         ids=["named", "required"])
+def test_a_tool_without_parameters_is_called_with_empty_arguments(oai, tool_choice, stream):
+    """No ``parameters`` means no arguments: exactly ``{}`` (a free object schema let the model invent fields)."""
+    for seed in range(4):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Is the service up? Tell me the weather."}],
+                  tools=[PING], tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=48, temperature=1.0,
+                  seed=seed)
+        if stream:
+            calls, finish = _streamed_calls(oai.chat.completions.create(stream=True, **kw))
+        else:
+            choice = oai.chat.completions.create(**kw).choices[0]
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+            finish = choice.finish_reason
+        assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [("ping", "{}")], seed
+
+
 def test_tool_choice_none_answers_in_text(oai):
     r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=8,
                                     temperature=0)

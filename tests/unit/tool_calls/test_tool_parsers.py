@@ -10,6 +10,7 @@ import pytest
 from pagedserve.errors import InvalidInputError
 from pagedserve.tool_calls import ToolCallStream, make_parser, parse_whole, plan_tools
 from pagedserve.tool_calls.parsers import NamedCallParser, RequiredCallsParser
+from pagedserve.tool_calls.request import NO_ARGUMENTS_SCHEMA, arguments_schema
 
 HERMES = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris \\"x\\" {}"}}\n'
@@ -115,9 +116,27 @@ def test_plan_schemas_and_modes():
     assert [b["properties"]["name"]["const"] for b in required.schema["items"]["anyOf"]] == ["get_weather",
                                                                                            "get_time"]
     assert "maxItems" not in plan_tools(TOOLS, "required", None, None).schema
+    assert required.schema["items"]["anyOf"][1]["properties"]["parameters"] == NO_ARGUMENTS_SCHEMA
     assert plan_tools(TOOLS, "none", None, None).schema is None
     assert plan_tools(TOOLS, None, None, "hermes").mode == "auto"
     assert plan_tools(None, None, None, None) is None
+
+
+@pytest.mark.parametrize("parameters", [None, {}, {"type": "object"}, {"type": "object", "properties": {}},
+                                        {"properties": {}, "title": "NoArgs", "type": "object", "required": []}])
+def test_a_function_without_parameters_is_called_with_an_empty_object(parameters):
+    fn = {"name": "ping"} if parameters is None else {"name": "ping", "parameters": parameters}
+    plan = plan_tools([{"type": "function", "function": fn}], {"type": "function", "function": {"name": "ping"}},
+                      None, None)
+    assert plan.schema == NO_ARGUMENTS_SCHEMA == {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("parameters", [{"type": "object", "additionalProperties": True},
+                                        {"type": "object", "additionalProperties": {"type": "string"}},
+                                        {"type": "object", "properties": {"x": {"type": "integer"}}},
+                                        {"type": "object", "patternProperties": {"^x": {}}}])
+def test_a_schema_that_says_which_properties_it_allows_is_kept(parameters):
+    assert arguments_schema(parameters) == parameters
 
 
 @pytest.mark.parametrize("tools,choice,field,match", [
