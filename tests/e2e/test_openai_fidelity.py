@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -66,6 +67,52 @@ def test_400_param_is_the_body_field_as_sent(http, path, body, param):
     error = r.json()["error"]
     assert error["param"] == param, error
     assert "sampling." not in error["message"] and "inputs" not in error["message"]
+
+
+CONTEXT_HEAD = "This model's maximum context length is {} tokens. However, you requested "
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 9000}]}, "messages",
+     "tokens in the messages, which leaves no room"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 9000}], "max_tokens": 5},
+     "messages", "in the messages, 5 in the completion). Please reduce the length of the messages or completion."),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 120_000}]}, "messages",
+     "at least"),  # refused from its size before tokenizing
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 8192}, "max_tokens", "8192 in the completion"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 8190}, "max_completion_tokens",
+     "8190 in the completion"),
+    ("/v1/completions", {"prompt": [5] * 8192, "max_tokens": 1}, "prompt",
+     "8193 tokens (8192 in the prompt, 1 in the completion)"),
+    ("/v1/completions", {"prompt": "hello " * 9000}, "prompt",
+     "in the completion). Please reduce the length of the prompt"),
+    ("/v1/completions", {"prompt": "Hello world", "max_tokens": 8191}, "max_tokens",
+     "8193 tokens (2 in the prompt, 8191 in the completion)"),
+])
+def test_exceeding_the_context_is_openais_context_length_exceeded(server, http, oai, path, body, param, words):
+    """OpenAI's message and code, which LiteLLM's context-window fallbacks match; ``param`` names the field."""
+    max_model_len = server.engine.max_model_len
+    assert max_model_len == 8192  # the numbers above
+    r = http.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["message"].startswith(CONTEXT_HEAD.format(max_model_len))
+    assert words in error["message"], error["message"]
+    streamed = http.post(path, json={"model": MODEL, "stream": True, **body})
+    assert streamed.status_code == 400 and streamed.json()["error"] == error
+
+
+def test_grpc_exceeding_the_context_is_invalid_argument_naming_the_field(server, client):
+    n = server.engine.max_model_len
+    for kwargs, field, words in [({"prompt_token_ids": [5] * n}, "prompt", f"{n} tokens in the prompt"),
+                                 ({"prompt": "Hello world", "max_tokens": n - 1}, "sampling.max_tokens",
+                                  f"{n + 1} tokens (2 in the prompt, {n - 1} in the completion)")]:
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.generate(**kwargs))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{field}: " + CONTEXT_HEAD.format(n)), info.value.details()
+        assert words in info.value.details()
 
 
 def test_scored_prompt_echo_with_max_tokens_0_matches_the_engine_prompt_logprobs(oai, client):
