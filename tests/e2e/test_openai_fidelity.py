@@ -115,6 +115,26 @@ def test_grpc_exceeding_the_context_is_invalid_argument_naming_the_field(server,
         assert words in info.value.details()
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Hello"}),
+                                       ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_best_of_1_is_accepted_and_anything_else_is_refused_naming_it(http, path, body):
+    base = {"model": MODEL, "max_tokens": 3, "temperature": 0, **body}
+    plain = http.post(path, json=base).json()["choices"]
+    for accepted in (1, None):
+        r = http.post(path, json={**base, "best_of": accepted})
+        assert r.status_code == 200 and r.json()["choices"] == plain, r.text
+    for best_of, n, code in [(2, 1, "unsupported"), (3, 3, "unsupported"), (1, 2, None), (0, 1, None)]:
+        r = http.post(path, json={**base, "best_of": best_of, "n": n})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "best_of" and error["code"] == code and error["message"].startswith("best_of: ")
+
+
+def test_sdk_completions_with_best_of_1(oai):
+    r = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2, best_of=1, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
 def test_scored_prompt_echo_with_max_tokens_0_matches_the_engine_prompt_logprobs(oai, client):
     prompt = "The capital of France is Paris."
     r = oai.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, logprobs=2, temperature=0)

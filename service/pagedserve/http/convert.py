@@ -35,6 +35,19 @@ def check_unsupported(body) -> None:
             raise OpenAIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
 
 
+def check_best_of(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """``best_of``: unset or 1 (OpenAI's default: each completion is the one sampled) is accepted; more, or fewer
+    than ``n``, is a 400 naming ``best_of`` (this server does not sample candidates to rank)."""
+    best_of, n = body.best_of, 1 if body.n is None else body.n
+    if best_of is None:
+        return
+    if best_of < 1 or best_of < n:
+        raise OpenAIError(400, f"must be >= 1 and >= n ({n}), got {best_of}", param="best_of")
+    if best_of > 1:
+        raise OpenAIError(400, f"{best_of} is not supported (only 1: this server does not sample candidates to "
+                          "rank); ask for n completions instead", param="best_of", code="unsupported")
+
+
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams from the body's OpenAI and vLLM fields; unset fields keep the engine defaults.

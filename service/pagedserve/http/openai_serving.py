@@ -83,6 +83,7 @@ class OpenAIServing:
 
     async def _chat(self, body: ChatCompletionRequest, request: Request, fields: FieldNames):
         cv.check_unsupported(body)
+        cv.check_best_of(body)
         _check_stream_options(body)
         generation = self.services.require_generation()
         model = self._check_model(body.model, self.generation_name, "generation")
@@ -99,6 +100,7 @@ class OpenAIServing:
 
     async def _completions(self, body: CompletionRequest, request: Request, fields: FieldNames):
         cv.check_unsupported(body)
+        cv.check_best_of(body)
         _check_stream_options(body)
         generation = self.services.require_generation()
         model = self._check_model(body.model, self.generation_name, "generation")
