@@ -180,7 +180,9 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return {"prompt": services.require_generation().detokenize(body.tokens, field="tokens")}
+        """vLLM's: the text of the ids, special tokens kept (so a rendered chat prompt tokenizes back to them)."""
+        text = services.require_generation().detokenize(body.tokens, skip_special_tokens=False, field="tokens")
+        return {"prompt": text}
 
     app.include_router(build_fleet_router(services))
     app.add_middleware(CORSMiddleware, allow_origins=config.cors_list("allowed_origins"),
