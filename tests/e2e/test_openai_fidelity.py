@@ -4,6 +4,7 @@ reference defines them (completions' top_logprobs with the chosen token, chat's 
 ``GET /v1/models/{model}``."""
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
@@ -133,6 +134,73 @@ def test_best_of_1_is_accepted_and_anything_else_is_refused_naming_it(http, path
 def test_sdk_completions_with_best_of_1(oai):
     r = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2, best_of=1, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
+def _ids_of(labels: list[str]) -> list[int]:
+    assert all(label.startswith("token_id:") for label in labels), labels
+    return [int(label.removeprefix("token_id:")) for label in labels]
+
+
+def _streamed_chat_logprobs(http, body: dict) -> list[dict]:
+    entries = []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    entries += (c["logprobs"] or {}).get("content", [])
+    return entries
+
+
+def test_chat_return_tokens_as_token_ids(http, tokenizer):
+    """vLLM's extension: every logprob token (chosen and top) as ``token_id:<id>``; streamed as whole. (Each call
+    its own cache salt: every prefill runs the same way, so the logprobs are the same.)"""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2}
+    plain = http.post("/v1/chat/completions", json={**body, "cache_salt": "plain"}).json()["choices"][0]
+    as_ids = http.post("/v1/chat/completions", json={**body, "return_tokens_as_token_ids": True,
+                                                     "cache_salt": "ids"}).json()["choices"][0]
+    assert as_ids["message"] == plain["message"]
+    ids = _ids_of([e["token"] for e in as_ids["logprobs"]["content"]])
+    assert tokenizer.decode(ids) == plain["message"]["content"]
+    for mine, theirs, tid in zip(as_ids["logprobs"]["content"], plain["logprobs"]["content"], ids):
+        assert theirs["token"] == tokenizer.decode([tid]) and mine["bytes"] == theirs["bytes"]
+        assert mine["logprob"] == pytest.approx(theirs["logprob"], abs=1e-5)
+        top = _ids_of([t["token"] for t in mine["top_logprobs"]])
+        assert top[0] == tid and [tokenizer.decode([t]) for t in top] == [t["token"] for t in theirs["top_logprobs"]]
+    streamed = _streamed_chat_logprobs(http, {**body, "return_tokens_as_token_ids": True, "cache_salt": "stream"})
+    assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in streamed] == \
+        [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in as_ids["logprobs"]["content"]]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_return_tokens_as_token_ids_with_echo(http, tokenizer, stream):
+    prompt = "The capital of France is"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 2, "echo": True,
+            "stream": stream}
+    plain, as_ids = (_completion_logprobs(http, {**body, "return_tokens_as_token_ids": flag, "cache_salt": f"{flag}"})
+                     for flag in (False, True))
+    ids = _ids_of(as_ids["tokens"])
+    prompt_ids = tokenizer.encode(prompt)
+    assert ids[:len(prompt_ids)] == prompt_ids and [tokenizer.decode([t]) for t in ids] == plain["tokens"]
+    assert as_ids["text_offset"] == plain["text_offset"]
+    assert as_ids["token_logprobs"] == pytest.approx(plain["token_logprobs"], abs=1e-5)
+    assert as_ids["top_logprobs"][0] is None
+    for tid, top in zip(ids[1:], as_ids["top_logprobs"][1:]):
+        assert f"token_id:{tid}" in top and all(k.startswith("token_id:") for k in top)
+
+
+def _completion_logprobs(http, body: dict) -> dict:
+    """The choice's logprobs, joined over the chunks when streamed."""
+    if not body["stream"]:
+        return http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    for key in out:
+                        out[key] += c["logprobs"][key]
+    return out
 
 
 def test_scored_prompt_echo_with_max_tokens_0_matches_the_engine_prompt_logprobs(oai, client):

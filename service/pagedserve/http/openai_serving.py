@@ -95,7 +95,8 @@ class OpenAIServing:
         params = cv.sampling_params(body, max_tokens, k)
         call = GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt)
         stream = await open_generation(generation, GenerationRequest((call,), plan, fields, body.stream))
-        shaper = ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), k is not None, plan)
+        text = cv.TokenText(generation.tokenizer, body.return_tokens_as_token_ids)
+        shaper = ChatShaper(cv.new_id("chatcmpl"), model, text, k is not None, plan)
         return await _respond(stream, shaper, body, request)
 
     async def _completions(self, body: CompletionRequest, request: Request, fields: FieldNames):
@@ -112,7 +113,7 @@ class OpenAIServing:
         calls = tuple(GenerateCall(p, params, f"{rid}-{i}" if rid and len(prompts) > 1 else rid, body.priority,
                                    body.cache_salt) for i, p in enumerate(prompts))
         stream = await open_generation(generation, GenerationRequest(calls, None, fields))
-        text = cv.TokenText(generation.tokenizer)
+        text = cv.TokenText(generation.tokenizer, body.return_tokens_as_token_ids)
         echo = [(p.text if isinstance(p, TextPrompt) else text.decode(ids), ids)
                 for p, ids in zip(prompts, stream.prompt_ids)] if body.echo else None
         shaper = CompletionShaper(cv.new_id("cmpl"), model, text, body.logprobs is not None, echo, prompt_only)

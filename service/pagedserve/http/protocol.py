@@ -63,6 +63,7 @@ class _SamplingBody(_SamplingFields):
     cache_salt: str | None = None
     request_id: str | None = None        # vLLM: the engine request id (default: random)
     best_of: int | None = None           # OpenAI: 1 (the default) only; this server does not rank candidates
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:<id>"
     use_beam_search: bool = False        # vLLM: beam search with beam width n; n completions in score order
     length_penalty: float | None = None  # vLLM (beam search): HF's length_penalty, default 1.0
     early_stopping: bool | None = None   # vLLM (beam search): HF's early_stopping, default false
