@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import grpc
 import httpx
@@ -267,8 +268,22 @@ def test_cors_preflight_and_simple_request_with_defaults(http):
 def test_models_retrieve(oai, http):
     model = oai.models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model"
+    assert model == oai.models.list().data[0]
     r = http.get("/v1/models/no-such-model")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_model_cards_carry_the_start_time_owner_and_context_length(server, oai):
+    """vLLM's cards: ``created`` the server's start (unix seconds, not 0), ``owned_by``, ``max_model_len``."""
+    cards = {m.id: m for m in oai.models.list().data}
+    assert set(cards) == {MODEL, "all-MiniLM-L6-v2"}
+    now = time.time()
+    for card in cards.values():
+        assert now - 24 * 3600 < card.created <= now and card.owned_by == "pagedserve"
+    assert len({c.created for c in cards.values()}) == 1
+    assert cards[MODEL].created == oai.models.retrieve(MODEL).created
+    assert cards[MODEL].model_extra["max_model_len"] == server.engine.max_model_len
+    assert cards["all-MiniLM-L6-v2"].model_extra["max_model_len"] == server.app.services.embedding.info.max_input_tokens
 
 
 def test_cors_preflight_needs_no_api_key_but_the_call_does(server):

@@ -60,6 +60,14 @@ class OpenAIServing:
             names.append(self.embedding_name)
         return names
 
+    def max_model_len(self, name: str) -> int | None:
+        """The longest context of the model served as ``name``, in tokens (an embedding model's longest input)."""
+        if self.services.generation is not None and name == self.generation_name:
+            return self.services.generation.info.max_model_len
+        if self.services.embedding is not None and name == self.embedding_name:
+            return self.services.embedding.info.max_input_tokens
+        return None
+
     def _check_model(self, model: str | None, served: str | None, kind: str) -> str:
         if model is None or model == served:
             return served or ""
