@@ -34,13 +34,18 @@ def max_token_bytes(tokenizer) -> int:
     return longest * slack
 
 
+def min_num_tokens(num_bytes: int, tokenizer) -> int:
+    """The fewest tokens a text of ``num_bytes`` UTF-8 bytes can tokenize to (see the module docstring)."""
+    return -(-num_bytes // max_token_bytes(tokenizer))
+
+
 def check_text_can_fit(num_bytes: int, limit_tokens: int, tokenizer, field: str) -> None:
     """Refuse a text of ``num_bytes`` UTF-8 bytes that cannot tokenize to ``limit_tokens`` tokens or fewer.
 
     Raises:
         InvalidInputError: naming ``field``, with the size and the limit.
     """
-    bound = limit_tokens * max_token_bytes(tokenizer)
-    if num_bytes > bound:
+    if min_num_tokens(num_bytes, tokenizer) > limit_tokens:
+        bound = limit_tokens * max_token_bytes(tokenizer)
         raise InvalidInputError(f"{num_bytes} bytes of text cannot fit in {limit_tokens} tokens (a token covers at "
                                 f"most {bound // limit_tokens} bytes); shorten it", field)

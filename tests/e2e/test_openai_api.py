@@ -174,6 +174,18 @@ def test_models_health_metrics_tokenize_detokenize(server, tokenizer):
     assert httpx.post(base + "/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "Hello world"}
 
 
+def test_tokenize_detokenize_tokenize_round_trips_a_chat_prompt(server, tokenizer):
+    """/detokenize keeps special tokens (vLLM's default), so the rendered chat prompt's text tokenizes back to the
+    same ids."""
+    base = server.http_url
+    ids = httpx.post(base + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert set(ids) & set(tokenizer.all_special_ids)  # the template's turn markers are special tokens
+    text = httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == tokenizer.decode(ids, skip_special_tokens=False)
+    again = httpx.post(base + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert again == ids
+
+
 def _error(r: httpx.Response) -> dict:
     return r.json()["error"]
 

@@ -114,6 +114,63 @@ def test_streamed_required_call_sends_no_empty_delta_chunks(server):
     assert choices[-1]["finish_reason"] == "tool_calls" and "usage" in chunks[-1]
 
 
+def _sse_chunks(server, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed chat request, as sent (before any SDK merges them)."""
+    chunks = []
+    with httpx.stream("POST", server.http_url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def test_streamed_named_call_sends_one_entry_per_index_and_the_sdk_sees_one_call(server, oai):
+    """The first tool-call chunk carries the name with the first argument fragment in one entry (an SDK that takes
+    a chunk's entries as calls would otherwise see a phantom second call)."""
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 64,
+            "temperature": 0}
+    whole = oai.chat.completions.create(**body).choices[0].message.tool_calls
+    entries = [c["delta"].get("tool_calls") or [] for chunk in _sse_chunks(server, body) for c in chunk["choices"]]
+    entries = [e for e in entries if e]
+    assert all(len({d["index"] for d in e}) == len(e) for e in entries), entries
+    first = entries[0][0]
+    assert first["index"] == 0 and first["id"].startswith("chatcmpl-tool-") and first["type"] == "function"
+    assert first["function"]["name"] == "get_weather" and first["function"]["arguments"]
+    assert all(d["index"] == 0 and "id" not in d for e in entries[1:] for d in e)
+    joined = "".join(d["function"]["arguments"] for e in entries for d in e)
+    assert joined == whole[0].function.arguments
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    with oai.chat.completions.stream(**{**body, "tools": strict}) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == whole[0].function.arguments
+    assert calls[0].function.parsed_arguments == json.loads(whole[0].function.arguments)
+
+
+PING = {"type": "function", "function": {"name": "ping", "description": "Check the service is up"}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "ping"}}, "required"],
+                         ids=["named", "required"])
+def test_a_tool_without_parameters_is_called_with_empty_arguments(oai, tool_choice, stream):
+    """No ``parameters`` means no arguments: exactly ``{}`` (a free object schema let the model invent fields)."""
+    for seed in range(4):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Is the service up? Tell me the weather."}],
+                  tools=[PING], tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=48, temperature=1.0,
+                  seed=seed)
+        if stream:
+            calls, finish = _streamed_calls(oai.chat.completions.create(stream=True, **kw))
+        else:
+            choice = oai.chat.completions.create(**kw).choices[0]
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+            finish = choice.finish_reason
+        assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [("ping", "{}")], seed
+
+
 def test_tool_choice_none_answers_in_text(oai):
     r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=8,
                                     temperature=0)

@@ -118,6 +118,34 @@ def test_auto_streams_content_then_call_deltas(oai):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+# Two parallel calls whose arguments come before the name (as some models order the keys): the name completes
+# with the arguments already there, so each call's first entry carries both.
+TWO_CALLS_REGEX = (r'<tool_call>\n\{"arguments": \{"city": "Oslo"\}, "name": "get_weather"\}\n</tool_call>\n'
+                   r'<tool_call>\n\{"arguments": \{"city": "Bergen"\}, "name": "get_weather"\}\n</tool_call>')
+
+
+def test_parallel_streamed_calls_send_one_entry_per_index_per_chunk(auto_server, oai):
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 80, "temperature": 0,
+            "stream": True, "structured_outputs": {"regex": TWO_CALLS_REGEX}}
+    entries = []
+    with httpx.stream("POST", auto_server.http_url + "/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                entries += [c["delta"]["tool_calls"] for c in json.loads(line[6:])["choices"]
+                            if c["delta"].get("tool_calls")]
+    assert all(len({d["index"] for d in e}) == len(e) for e in entries), entries
+    headers = [d for e in entries for d in e if "id" in d]
+    assert [(d["index"], d["function"]["name"]) for d in headers] == [(0, "get_weather"), (1, "get_weather")]
+    assert [json.loads(d["function"]["arguments"]) for d in headers] == [{"city": "Oslo"}, {"city": "Bergen"}]
+    with oai.chat.completions.stream(model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0,
+                                     tools=[{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}],
+                                     extra_body={"structured_outputs": {"regex": TWO_CALLS_REGEX}}) as stream:
+        calls = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, c.function.parsed_arguments) for c in calls] == \
+        [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Bergen"})]
+    assert len({c.id for c in calls}) == 2
+
+
 def test_auto_plain_text_stays_content(oai):
     r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=6, temperature=1.0,
                                     extra_body={"structured_outputs": {"regex": "It is sunny"}})

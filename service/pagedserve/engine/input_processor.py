@@ -2,7 +2,7 @@
 ``max_tokens`` room, the sampling parameters' model-dependent limits. Errors name the request field."""
 from __future__ import annotations
 
-from ..errors import InvalidInputError
+from ..errors import ContextLengthError, InvalidInputError
 from ..sampling_params import SamplingParams
 
 
@@ -20,32 +20,43 @@ class InputProcessor:
         in max_model_len when unset).
 
         Raises:
-            InvalidInputError: empty prompt, unknown token id, prompt or max_tokens past max_model_len, or a
-                sampling parameter past the model's limits.
+            ContextLengthError: the prompt leaves no room for one token (field ``prompt``), or the prompt and
+                max_tokens do not fit in max_model_len (``sampling.max_tokens``).
+            InvalidInputError: empty prompt, unknown token id, or a sampling parameter past the model's limits.
         """
         params.validate_for_model(self.vocab_size, self.max_logprobs)
         ids = list(prompt_token_ids)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else []
-        self.check_prompt(ids, self.max_model_len - 1, "prompt")
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidInputError(f"max_tokens {params.max_tokens} exceeds the {room} tokens left after the "
-                                    f"{len(ids)}-token prompt (max_model_len {self.max_model_len})",
-                                    "sampling.max_tokens")
-        return ids, params.max_tokens or room
+        self.check_ids(ids, "prompt")
+        check_context_length(len(ids), params.max_tokens, self.max_model_len, "prompt")
+        return ids, params.max_tokens or self.max_model_len - len(ids)
 
-    def check_prompt(self, ids: list[int], max_len: int, field: str) -> None:
+    def check_ids(self, ids: list[int], field: str) -> None:
         """Raises InvalidInputError (naming ``field``, or ``prompt_token_ids`` for a bad id in a prompt) when
-        ``ids`` is empty, holds an id outside the vocabulary, or is longer than ``max_len``."""
+        ``ids`` is empty or holds an id outside the vocabulary."""
         if not ids:
             raise InvalidInputError("the prompt is empty" if field == "prompt" else "has no tokens", field)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidInputError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                     "prompt_token_ids" if field == "prompt" else field)
+
+    def check_prompt(self, ids: list[int], max_len: int, field: str) -> None:
+        """:meth:`check_ids`, and InvalidInputError (naming ``field``) when ``ids`` is longer than ``max_len`` (an
+        input to embed)."""
+        self.check_ids(ids, field)
         if len(ids) > max_len:
-            hint = "so at most max_model_len - 1 prompt tokens fit" if field == "prompt" else "set truncate"
-            subject = "the prompt has" if field == "prompt" else "has"
-            raise InvalidInputError(f"{subject} {len(ids)} tokens; max_model_len is {self.max_model_len}, {hint}",
+            raise InvalidInputError(f"has {len(ids)} tokens; max_model_len is {self.max_model_len}, set truncate",
                                     field)
+
+
+def check_context_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_field: str,
+                         at_least: bool = False) -> None:
+    """Raises ContextLengthError when a prompt of ``prompt_tokens`` tokens (at least that many, ``at_least``)
+    leaves no room for one new token (naming ``prompt_field``), or with ``max_tokens`` (None: unset) does not fit
+    in ``max_model_len`` (naming ``sampling.max_tokens``)."""
+    if prompt_tokens >= max_model_len:
+        raise ContextLengthError(max_model_len, prompt_tokens, max_tokens, prompt_field, at_least)
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(max_model_len, prompt_tokens, max_tokens, "sampling.max_tokens", at_least)

@@ -146,8 +146,13 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
     async def embeddings(body: EmbeddingRequest):
         return await serving.embeddings(body)
 
+    started_s = cv.now_s()
+
     def card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": name, "parent": None}
+        """vLLM's model card: ``created`` is the server's start (unix seconds), ``max_model_len`` the longest
+        context (the generation model's; the embedding model's longest input)."""
+        return {"id": name, "object": "model", "created": started_s, "owned_by": "pagedserve", "root": name,
+                "parent": None, "max_model_len": serving.max_model_len(name)}
 
     @app.get("/v1/models")
     async def models():
@@ -188,7 +193,9 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return {"prompt": services.require_generation().detokenize(body.tokens, field="tokens")}
+        """vLLM's: the text of the ids, special tokens kept (so a rendered chat prompt tokenizes back to them)."""
+        text = services.require_generation().detokenize(body.tokens, skip_special_tokens=False, field="tokens")
+        return {"prompt": text}
 
     app.include_router(build_fleet_router(services))
     app.include_router(build_rerank_router(services))

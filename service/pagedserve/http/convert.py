@@ -35,6 +35,19 @@ def check_unsupported(body) -> None:
             raise OpenAIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
 
 
+def check_best_of(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """``best_of``: unset or 1 (OpenAI's default: each completion is the one sampled) is accepted; more, or fewer
+    than ``n``, is a 400 naming ``best_of`` (this server does not sample candidates to rank)."""
+    best_of, n = body.best_of, 1 if body.n is None else body.n
+    if best_of is None:
+        return
+    if best_of < 1 or best_of < n:
+        raise OpenAIError(400, f"must be >= 1 and >= n ({n}), got {best_of}", param="best_of")
+    if best_of > 1:
+        raise OpenAIError(400, f"{best_of} is not supported (only 1: this server does not sample candidates to "
+                          "rank); ask for n completions instead", param="best_of", code="unsupported")
+
+
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams from the body's OpenAI and vLLM fields; unset fields keep the engine defaults.
@@ -243,12 +256,18 @@ def usage_dict(usage: UsageTotal, prompt_only: bool = False) -> dict:
 
 
 class TokenText:
-    """Token id -> its text as a client sees it (the id decoded alone), cached; ``bytes(id)`` its own bytes."""
+    """Token id -> its text as a client sees it (the id decoded alone), cached; ``bytes(id)`` its own bytes;
+    ``label(id)`` how logprobs name it: its text, or with vLLM's ``return_tokens_as_token_ids`` (``as_ids``)
+    ``"token_id:<id>"`` (a token that is a piece of a character stays identifiable)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
         self.bytes = TokenBytes(tokenizer)
+        self.as_ids = as_ids
+
+    def label(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self(token_id)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of a token sequence (special tokens kept)."""
@@ -262,15 +281,17 @@ class TokenText:
 
 
 def chat_logprobs(lps: list[TokenLogprobs], text: TokenText) -> list[dict]:
-    """OpenAI chat ``logprobs.content`` entries; ``bytes`` are the token's own (a piece of a character's UTF-8)."""
+    """OpenAI chat ``logprobs.content`` entries (``token`` as ``text.label`` names it); ``bytes`` are the token's own
+    (a piece of a character's UTF-8)."""
     def entry(tid: int, lp: float) -> dict:
-        return {"token": text(tid), "logprob": lp, "bytes": list(text.bytes(tid))}
+        return {"token": text.label(tid), "logprob": lp, "bytes": list(text.bytes(tid))}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
 class CompletionLogprobs:
-    """OpenAI completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset), built incrementally."""
+    """OpenAI completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset), built incrementally;
+    tokens as ``text.label`` names them, ``text_offset`` in the text's characters."""
 
     def __init__(self, text: TokenText, offset: int = 0):
         self._text = text
@@ -281,14 +302,13 @@ class CompletionLogprobs:
         self.text_offset: list[int] = []
 
     def add_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
-        s = self._text(token_id)
-        self.tokens.append(s)
+        self.tokens.append(self._text.label(token_id))
         self.token_logprobs.append(logprob)
         if top is not None:  # the chosen (or prompt) token next to the top k, as OpenAI and vLLM report it
             top = [(token_id, logprob), *((t, v) for t, v in top if t != token_id)]
-        self.top_logprobs.append(None if top is None else {self._text(t): v for t, v in top})
+        self.top_logprobs.append(None if top is None else {self._text.label(t): v for t, v in top})
         self.text_offset.append(self.offset)
-        self.offset += len(s)
+        self.offset += len(self._text(token_id))
 
     def add(self, lps: list[TokenLogprobs]) -> None:
         for lp in lps:

@@ -35,11 +35,12 @@ BODY_NAMES = FieldNames(prefix=SAMPLING_PREFIX)
 
 
 class OpenAIError(Exception):
-    """An error answered as OpenAI's error body with ``status``."""
+    """An error answered as OpenAI's error body with ``status``; the message starts with ``param`` unless
+    ``name_param`` is false (a message whose first words clients match, e.g. the context-length one)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        if param and not message.startswith(f"{param}: "):
+                 code: str | None = None, name_param: bool = True, headers: dict[str, str] | None = None):
+        if name_param and param and not message.startswith(f"{param}: "):
             message = f"{param}: {message}"
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
@@ -58,7 +59,8 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 def from_exception(exc: BaseException, fields: FieldNames = BODY_NAMES) -> OpenAIError:
     """The OpenAI error for an exception, naming the field as ``fields`` spell it (an unknown exception is a
-    500)."""
+    500). A context-length error keeps OpenAI's message and code (``context_length_exceeded``), which clients
+    match: its ``param`` names the field, its message does not start with it."""
     if isinstance(exc, OpenAIError):
         return exc
     err = caller_error(exc, fields)
@@ -67,8 +69,8 @@ def from_exception(exc: BaseException, fields: FieldNames = BODY_NAMES) -> OpenA
         log.exception("internal_error", exc_info=exc)
     if err.kind is ErrorKind.DEADLINE:  # Retry-After in whole seconds (RFC 9110 10.2.3), rounded up
         return OpenAIError(status, err.message, type_, err.field, "deadline_exceeded",
-                           {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
-    return OpenAIError(status, err.message, type_, err.field)
+                           headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+    return OpenAIError(status, err.message, type_, err.field, err.code, name_param=err.code is None)
 
 
 # pydantic puts the member of a union that failed into ``loc`` (``("input", "list[str]", 0)``); not a body field.

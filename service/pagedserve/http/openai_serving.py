@@ -65,6 +65,14 @@ class OpenAIServing:
             names.append(self.services.rerank_name)   # a cross-encoder (the cosine fallback is the embedding's)
         return names
 
+    def max_model_len(self, name: str) -> int | None:
+        """The longest context of the model served as ``name``, in tokens (an embedding model's longest input)."""
+        if self.services.generation is not None and name == self.generation_name:
+            return self.services.generation.info.max_model_len
+        if self.services.embedding is not None and name == self.embedding_name:
+            return self.services.embedding.info.max_input_tokens
+        return None
+
     def _check_model(self, model: str | None, served: str | None, kind: str) -> str:
         if model is None or model == served:
             return served or ""
@@ -88,6 +96,7 @@ class OpenAIServing:
 
     async def _chat(self, body: ChatCompletionRequest, request: Request, fields: FieldNames):
         cv.check_unsupported(body)
+        cv.check_best_of(body)
         _check_stream_options(body)
         generation = self.services.require_generation()
         model = self._check_model(body.model, self.generation_name, "generation")
@@ -100,11 +109,13 @@ class OpenAIServing:
         call = GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt,
                             _deadline(body), self._caller(request))
         stream = await open_generation(generation, GenerationRequest((call,), plan, fields, body.stream))
-        shaper = ChatShaper(cv.new_id("chatcmpl"), model, cv.TokenText(generation.tokenizer), k is not None, plan)
+        text = cv.TokenText(generation.tokenizer, body.return_tokens_as_token_ids)
+        shaper = ChatShaper(cv.new_id("chatcmpl"), model, text, k is not None, plan)
         return await _respond(stream, shaper, body, request)
 
     async def _completions(self, body: CompletionRequest, request: Request, fields: FieldNames):
         cv.check_unsupported(body)
+        cv.check_best_of(body)
         _check_stream_options(body)
         generation = self.services.require_generation()
         model = self._check_model(body.model, self.generation_name, "generation")
@@ -117,7 +128,7 @@ class OpenAIServing:
                                    body.cache_salt, _deadline(body), self._caller(request))
                       for i, p in enumerate(prompts))
         stream = await open_generation(generation, GenerationRequest(calls, None, fields))
-        text = cv.TokenText(generation.tokenizer)
+        text = cv.TokenText(generation.tokenizer, body.return_tokens_as_token_ids)
         echo = [(p.text if isinstance(p, TextPrompt) else text.decode(ids), ids)
                 for p, ids in zip(prompts, stream.prompt_ids)] if body.echo else None
         shaper = CompletionShaper(cv.new_id("cmpl"), model, text, body.logprobs is not None, echo, prompt_only)

@@ -17,7 +17,7 @@ from ..sampling_params import SamplingParams
 
 # Fields of OpenAI's chat/completions bodies that ask for what this server does not do.
 UNSUPPORTED_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
-                      "suffix", "best_of")
+                      "suffix")
 
 
 class _Body(BaseModel):
@@ -64,6 +64,8 @@ class _SamplingBody(_SamplingFields):
     request_id: str | None = None        # vLLM: the engine request id (default: random)
     timeout: float | None = Field(None, gt=0)  # seconds from arrival the call may take (its deadline; HTTP 504
                                          # with Retry-After when it cannot finish in time: core/sched/deadlines.py)
+    best_of: int | None = None           # OpenAI: 1 (the default) only; this server does not rank candidates
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:<id>"
     use_beam_search: bool = False        # vLLM: beam search with beam width n; n completions in score order
     length_penalty: float | None = None  # vLLM (beam search): HF's length_penalty, default 1.0
     early_stopping: bool | None = None   # vLLM (beam search): HF's early_stopping, default false

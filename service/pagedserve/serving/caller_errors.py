@@ -99,6 +99,7 @@ class CallerError:
     kind: ErrorKind
     message: str              # without the field
     field: str | None = None  # the request field at fault, as the caller spells it
+    code: str | None = None   # a short machine-readable reason (``context_length_exceeded``), when there is one
 
     def text(self) -> str:
         """``"<field>: <message>"`` (the message alone without a field)."""
@@ -106,8 +107,9 @@ class CallerError:
 
 
 def caller_error(exc: BaseException, fields: FieldNames = ENGINE_NAMES) -> CallerError:
-    """``exc`` as the caller sees it: its kind, its message and the field it names in ``fields``' spelling; an
-    INTERNAL error's message names the exception's type."""
+    """``exc`` as the caller sees it: its kind, its message and the field it names in ``fields``' spelling (a
+    context-length error names the prompt as the caller does: "in the messages"), its code; an INTERNAL error's
+    message names the exception's type."""
     kind = error_kind(exc)
     if kind is ErrorKind.INTERNAL:
         return CallerError(kind, f"internal error: {type(exc).__name__}: {exc}")
@@ -115,4 +117,6 @@ def caller_error(exc: BaseException, fields: FieldNames = ENGINE_NAMES) -> Calle
     message = str(exc)
     if engine_field and message.startswith(f"{engine_field}: "):
         message = message[len(engine_field) + 2:]
-    return CallerError(kind, message, fields.caller_field(engine_field))
+    if isinstance(exc, errors.ContextLengthError):
+        message = exc.message_for(_HEAD.match(fields.caller_field("prompt")).group(0))
+    return CallerError(kind, message, fields.caller_field(engine_field), getattr(exc, "code", None))

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.builder import EngineInfo
+from ..engine.input_processor import check_context_length
 from ..sampling_params import SamplingParams
 from ..errors import InvalidInputError
-from ..text_bounds import check_text_can_fit
+from ..text_bounds import min_num_tokens
 from .metrics import ServerMetrics
 from . import limits
 from .prompts import ChatPrompt, Prompt, TextPrompt, render_prompt
@@ -66,11 +67,14 @@ class GenerationService:
 
     async def prepare(self, call: GenerateCall) -> list[int]:
         """Check the call's bounded fields and render its prompt. A text prompt that cannot fit ``max_model_len``
-        is refused from its length, before tokenizing (unless ``truncate_prompt_tokens`` keeps only its end).
+        (with ``max_tokens``) is refused from its length, before tokenizing (unless ``truncate_prompt_tokens``
+        keeps only its end).
 
         Raises:
+            ContextLengthError: a prompt that cannot fit (naming the prompt's field), or cannot fit with
+                ``max_tokens`` (``sampling.max_tokens``).
             InvalidInputError: ``request_id`` / ``cache_salt`` over 256 characters or not printable, too many chat
-                messages, a prompt that cannot fit (naming the prompt's field), or what rendering raises.
+                messages, or what rendering raises.
         """
         limits.check_identifier(call.request_id, "request_id")
         limits.check_identifier(call.cache_salt, "cache_salt")
@@ -78,13 +82,13 @@ class GenerationService:
         if isinstance(prompt, ChatPrompt) and len(prompt.messages) > limits.MAX_CHAT_MESSAGES:
             raise InvalidInputError(f"at most {limits.MAX_CHAT_MESSAGES} messages, got {len(prompt.messages)}",
                                     prompt.field)
-        if call.params.truncate_prompt_tokens is None:
-            room = self.info.max_model_len - 1
+        if call.params.truncate_prompt_tokens is None and isinstance(prompt, (TextPrompt, ChatPrompt)):
             if isinstance(prompt, TextPrompt):
-                check_text_can_fit(len(prompt.text.encode("utf-8")), room, self.tokenizer, prompt.field)
-            elif isinstance(prompt, ChatPrompt):
+                size = len(prompt.text.encode("utf-8"))
+            else:
                 size = sum(len(str(m.get("content") or "").encode("utf-8")) for m in prompt.messages)
-                check_text_can_fit(size, room, self.tokenizer, prompt.field)
+            check_context_length(min_num_tokens(size, self.tokenizer), call.params.max_tokens,
+                                 self.info.max_model_len, prompt.field, at_least=True)
         return await self.render(prompt)
 
     async def tokenize(self, prompt: Prompt) -> tuple[list[int], list[str]]:

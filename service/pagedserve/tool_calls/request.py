@@ -9,6 +9,8 @@
 - a named function (``{"type": "function", "function": {"name": ...}}``): the output is that function's
   arguments, constrained by its ``parameters`` schema.
 
+A function that declares no parameters is called with exactly ``{}`` (:func:`arguments_schema`).
+
 Errors are :class:`~pagedserve.errors.InvalidInputError` naming the body field (``tools[1].function.name``,
 ``tool_choice``).
 """
@@ -22,6 +24,10 @@ from .parsers import NamedCallParser, RequiredCallsParser, ToolParser, make_pars
 
 MAX_TOOLS = 128
 """Most functions per request (each adds a branch to the ``required`` constraint)."""
+NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}, "additionalProperties": False}
+"""The arguments schema of a function that takes none: exactly ``{}``."""
+# Keys that say nothing about which properties an object may hold (with no properties, no required ones).
+_ANNOTATION_KEYS = frozenset({"type", "properties", "required", "title", "description", "$schema"})
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 
 
@@ -38,8 +44,7 @@ class ToolPlan:
     @property
     def schema(self) -> dict | None:
         """The JSON schema the output is held to (required / named), else None."""
-        functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
-                     for t in self.tools}
+        functions = {t["function"]["name"]: arguments_schema(t["function"].get("parameters")) for t in self.tools}
         if self.mode == "named":
             return functions[self.name]
         if self.mode != "required":
@@ -62,6 +67,18 @@ class ToolPlan:
         if self.mode == "required":
             return RequiredCallsParser()
         return make_parser(self.parser_name) if self.mode == "auto" else None
+
+
+def arguments_schema(parameters: dict | None) -> dict:
+    """The schema a forced call's arguments are held to: the function's ``parameters``, or for a function that
+    declares no parameters (``parameters`` absent or ``{}``, or an object schema with no properties and nothing
+    else said about them, as pydantic and LangChain write a function without arguments) exactly ``{}``
+    (:data:`NO_ARGUMENTS_SCHEMA`; OpenAI's meaning of a function without parameters)."""
+    if not parameters:
+        return NO_ARGUMENTS_SCHEMA
+    declares_nothing = parameters.get("type", "object") == "object" and not parameters.get("properties") \
+        and not parameters.get("required") and set(parameters) <= _ANNOTATION_KEYS
+    return NO_ARGUMENTS_SCHEMA if declares_nothing else parameters
 
 
 def _check_tools(tools: object) -> tuple[dict, ...]:

@@ -1,8 +1,10 @@
 """Streamed tool calls as OpenAI's chunks carry them, from a parser's growing snapshots.
 
-For each call the client first gets ``{"index", "id", "type": "function", "function": {"name", "arguments": ""}}``
-and then ``{"index", "function": {"arguments": <fragment>}}`` pieces whose concatenation is the arguments' JSON
-text: the shape the ``openai`` SDK's stream helpers (and LangChain) reassemble by ``index``.
+For each call the client first gets ``{"index", "id", "type": "function", "function": {"name", "arguments"}}``
+(the arguments' first fragment, possibly "") and then ``{"index", "function": {"arguments": <fragment>}}`` pieces
+whose concatenation is the arguments' JSON text: the shape the ``openai`` SDK's stream helpers (and LangChain)
+reassemble by ``index``. One feed gives at most one entry per call index (vLLM's shape: an SDK that does not merge
+entries of one chunk by index would otherwise see a second call).
 """
 from __future__ import annotations
 
@@ -57,24 +59,24 @@ class ToolCallStream:
         content = snap.content[self._content_sent:] if len(snap.content) > self._content_sent else ""
         self._content_sent += len(content)
         calls = snap.calls[:self.max_calls]
-        return content, [d for i, call in enumerate(calls) for d in self._call_deltas(i, call)]
+        deltas = (self._call_delta(i, call) for i, call in enumerate(calls))
+        return content, [d for d in deltas if d is not None]
 
-    def _call_deltas(self, index: int, call: PartialCall) -> list[dict]:
+    def _call_delta(self, index: int, call: PartialCall) -> dict | None:
+        """Call ``index``'s one entry for this feed: its header with the first argument fragment, then the next
+        fragment; None when there is nothing new (or the name is not complete yet)."""
         while len(self._sent) <= index:
             self._sent.append(_Sent())
         sent = self._sent[index]
-        out = []
-        if not sent.header_sent:
-            if call.name is None:
-                return out
-            sent.header_sent = True
-            out.append({"index": index, "id": sent.call_id, "type": "function",
-                        "function": {"name": call.name, "arguments": ""}})
+        if not sent.header_sent and call.name is None:
+            return None
         fragment = call.arguments[sent.num_argument_chars:]
-        if fragment:
-            sent.num_argument_chars = len(call.arguments)
-            out.append({"index": index, "function": {"arguments": fragment}})
-        return out
+        sent.num_argument_chars = len(call.arguments)
+        if not sent.header_sent:
+            sent.header_sent = True
+            return {"index": index, "id": sent.call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": fragment}}
+        return {"index": index, "function": {"arguments": fragment}} if fragment else None
 
 
 def parse_whole(parser: ToolParser, text: str, max_calls: int | None = None) -> tuple[str | None, list[dict]]:

@@ -10,6 +10,7 @@ import pytest
 from pagedserve.errors import InvalidInputError
 from pagedserve.tool_calls import ToolCallStream, make_parser, parse_whole, plan_tools
 from pagedserve.tool_calls.parsers import NamedCallParser, RequiredCallsParser
+from pagedserve.tool_calls.request import NO_ARGUMENTS_SCHEMA, arguments_schema
 
 HERMES = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris \\"x\\" {}"}}\n'
@@ -23,15 +24,18 @@ TEXTS = {"hermes": HERMES, "llama3_json": LLAMA}
 
 
 def _reassemble(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list[dict]]:
-    """Feed pieces; join content and merge tool-call deltas by index the way the SDK's stream helpers do."""
+    """Feed pieces; join content and merge tool-call deltas by index the way the SDK's stream helpers do. Each
+    feed (one chunk) holds at most one entry per call index."""
     content, calls = "", {}
     for k, piece in enumerate(pieces):
         text, deltas = stream.feed(piece, final=k == len(pieces) - 1)
         content += text
+        assert len({d["index"] for d in deltas}) == len(deltas), deltas
         for d in deltas:
             if "id" in d:
-                assert d["index"] not in calls and d["type"] == "function" and d["function"]["arguments"] == ""
-                calls[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+                assert d["index"] not in calls and d["type"] == "function"
+                calls[d["index"]] = {"id": d["id"], "name": d["function"]["name"],
+                                     "arguments": d["function"]["arguments"]}
             else:
                 calls[d["index"]]["arguments"] += d["function"]["arguments"]
     return content, [calls[i] for i in sorted(calls)]
@@ -74,6 +78,19 @@ def test_hermes_invalid_calls_fall_back_to_content(text):
     assert parse_whole(make_parser("hermes"), text) == (text, [])
 
 
+def test_a_call_whose_name_and_arguments_come_in_one_feed_is_one_entry():
+    """The header carries the arguments' first fragment (vLLM's shape): one entry per index in a chunk."""
+    stream = ToolCallStream(RequiredCallsParser())
+    content, deltas = stream.feed('[{"name": "get_weather", "parameters": {"city": "Os')
+    assert content == "" and len(deltas) == 1
+    assert deltas[0]["index"] == 0 and deltas[0]["id"].startswith("chatcmpl-tool-")
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Os'}
+    _, deltas = stream.feed('lo"}}, {"name": "get_time", "parameters": {"tz": "UTC"}}]', final=True)
+    assert [d["index"] for d in deltas] == [0, 1]
+    assert deltas[0] == {"index": 0, "function": {"arguments": 'lo"}'}}
+    assert deltas[1]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'} and "id" in deltas[1]
+
+
 def test_named_and_required_outputs():
     args = '{"city":"Oslo","days":[1,2]}'
     content, calls = _reassemble(ToolCallStream(NamedCallParser("get_weather")), _fragments(args, 3))
@@ -99,9 +116,27 @@ def test_plan_schemas_and_modes():
     assert [b["properties"]["name"]["const"] for b in required.schema["items"]["anyOf"]] == ["get_weather",
                                                                                            "get_time"]
     assert "maxItems" not in plan_tools(TOOLS, "required", None, None).schema
+    assert required.schema["items"]["anyOf"][1]["properties"]["parameters"] == NO_ARGUMENTS_SCHEMA
     assert plan_tools(TOOLS, "none", None, None).schema is None
     assert plan_tools(TOOLS, None, None, "hermes").mode == "auto"
     assert plan_tools(None, None, None, None) is None
+
+
+@pytest.mark.parametrize("parameters", [None, {}, {"type": "object"}, {"type": "object", "properties": {}},
+                                        {"properties": {}, "title": "NoArgs", "type": "object", "required": []}])
+def test_a_function_without_parameters_is_called_with_an_empty_object(parameters):
+    fn = {"name": "ping"} if parameters is None else {"name": "ping", "parameters": parameters}
+    plan = plan_tools([{"type": "function", "function": fn}], {"type": "function", "function": {"name": "ping"}},
+                      None, None)
+    assert plan.schema == NO_ARGUMENTS_SCHEMA == {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("parameters", [{"type": "object", "additionalProperties": True},
+                                        {"type": "object", "additionalProperties": {"type": "string"}},
+                                        {"type": "object", "properties": {"x": {"type": "integer"}}},
+                                        {"type": "object", "patternProperties": {"^x": {}}}])
+def test_a_schema_that_says_which_properties_it_allows_is_kept(parameters):
+    assert arguments_schema(parameters) == parameters
 
 
 @pytest.mark.parametrize("tools,choice,field,match", [
