@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
@@ -276,6 +277,8 @@ class ServerConfig:
         allowed_methods: CORS: methods allowed cross-origin, as a JSON list (default ``["*"]``).
         allowed_headers: CORS: request headers allowed cross-origin, as a JSON list (default ``["*"]``).
         allow_credentials: CORS: allow cookies and Authorization on cross-origin requests.
+        otlp_traces_endpoint: OpenTelemetry traces go to this OTLP collector URL (vLLM's flag): gRPC, or HTTP
+            (protobuf) when the path ends in /v1/traces or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says so; None: off.
     """
 
     host: str = "127.0.0.1"
@@ -312,6 +315,7 @@ class ServerConfig:
     allowed_methods: str = '["*"]'
     allowed_headers: str = '["*"]'
     allow_credentials: bool = False
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.embedding_model is not None and self.embedding_model.lower() == "none":
@@ -345,6 +349,9 @@ class ServerConfig:
                "--enable-auto-tool-choice needs --tool-call-parser")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             self.cors_list(name)
+        url = urlsplit(self.otlp_traces_endpoint or "http://x")
+        _check(url.scheme in ("http", "https") and bool(url.hostname), "otlp_traces_endpoint",
+               f"must be an http:// or https:// URL, got {self.otlp_traces_endpoint!r}")
 
     def cors_list(self, name: str) -> list[str]:
         """A CORS setting (``allowed_origins`` ...) parsed. Raises ValueError naming it unless a JSON list of

@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -20,9 +21,10 @@ import structlog
 import torch
 
 from ..errors import DuplicateRequestError, EngineUnavailableError
-from ..outputs import CompletionDelta, Usage
+from ..outputs import CompletionDelta, EngineTimings, Usage
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
+from .timings import TimingRecorder
 
 log = structlog.get_logger(__name__)
 
@@ -36,6 +38,7 @@ class AddRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    timings: EngineTimings | None = None   # tracing: record the request's step times here (None: not traced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None
+        self.timings = TimingRecorder()   # the traced requests' step times (engine thread)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,14 +134,17 @@ class AsyncEngine:
 
     # ---- API for the servicer ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[CompletionDelta]:
-        """Queue a request and yield its deltas until every completion has finished.
+                       priority: int = 0, cache_salt: str | None = None, timings: EngineTimings | None = None
+                       ) -> AsyncIterator[CompletionDelta]:
+        """Queue a request and yield its deltas until every completion has finished. With ``timings`` (tracing),
+        the engine thread records the request's step times there (not for beam search), complete once the last
+        delta is out.
 
         Raises (before the first delta):
             DuplicateRequestError, InvalidInputError, QueueFullError: from validation.
             EngineUnavailableError: shutting down or the engine died (also raised mid-stream).
         """
-        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt)
+        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, timings)
         async for delta in self._stream(request_id, params.n, command):
             yield delta
 
@@ -213,8 +220,11 @@ class AsyncEngine:
     def _execute(self, command: EngineCommand):
         """Run one command on the engine thread; returns what the engine method returned."""
         if isinstance(command, AddRequest):
-            return self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                           command.priority, command.cache_salt)
+            children = self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                               command.priority, command.cache_salt)
+            if command.timings is not None and command.params.beam_search is None:
+                self.timings.add(children, command.timings)
+            return children
         if isinstance(command, AddPoolingRequest):
             return self.engine.add_pooling_request(command.request_id, command.token_ids, command.priority,
                                                    command.cache_salt, command.field)
@@ -254,7 +264,10 @@ class AsyncEngine:
                 self._wakeup.clear()
                 self._drain_commands()
                 if self.engine.has_unfinished() and not self._stopping:
+                    start = time.monotonic() if self.timings else 0.0
                     deltas = self.engine.step()
+                    if self.timings:   # before the deltas go out: a final delta finds its timings complete
+                        self.timings.on_step(start, time.monotonic(), self.engine.last_step_composition)
                     if deltas:
                         self._loop.call_soon_threadsafe(self._dispatch, deltas)
         except BaseException as exc:  # the step loop died: every open and new call gets UNAVAILABLE

@@ -11,6 +11,7 @@ from pagedserve_client.v1 import inference_pb2_grpc as pb_grpc
 from ..errors import InvalidInputError
 from ..serving.pipeline import open_generation
 from ..serving.services import Services
+from ..serving.tracing import current_call_trace
 from . import convert
 
 
@@ -25,7 +26,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         generation = self.services.require_generation()
         stream = await open_generation(generation, convert.generation_request_from_proto(request,
-                                                                                         self.auto_tool_parser))
+                                                                                         self.auto_tool_parser),
+                                       current_call_trace())
         try:
             async for choice in stream:
                 yield convert.choice_to_proto(choice, generation.tokenizer)
@@ -89,6 +91,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         resp = pb.GetModelInfoResponse()
         generation, embedding = self.services.generation, self.services.embedding
+        tracing = self.services.tracing
+        resp.tracing.CopyFrom(pb.TracingInfo(enabled=True, **tracing.info()) if tracing is not None else
+                              pb.TracingInfo(enabled=False))
         if generation is not None:
             info = generation.info
             resp.generation.CopyFrom(pb.GenerationModelInfo(

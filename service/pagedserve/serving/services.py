@@ -7,6 +7,7 @@ from ..config import ServerConfig
 from ..embedding import EmbeddingService
 from ..errors import EngineUnavailableError, ModelNotLoadedError
 from .generation import GenerationService
+from .tracing import Tracing
 
 
 EMBEDDED_GENERATION_NAME = "SmolLM2-135M-Instruct"
@@ -32,6 +33,7 @@ class Services:
     embedding: EmbeddingService | None = None
     loading: bool = True          # models still loading
     shutting_down: bool = False   # shutdown has begun: new work is refused
+    tracing: Tracing | None = None  # OpenTelemetry tracing (--otlp-traces-endpoint); None: off
 
     def require_generation(self) -> GenerationService:
         """The generation service.
