@@ -5,7 +5,8 @@ The span of a generation call (``SpanKind.SERVER``, named ``"{gen_ai.operation.n
 e.g. ``"chat SmolLM2-135M-Instruct"``) carries the GenAI semantic conventions' request and usage attributes and
 vLLM's latency attributes, and has these children per engine request (one per prompt), which follow each other:
 
-- ``queue``: handed to the engine (after tokenizing) until first scheduled;
+- ``preprocess``: the call's arrival until it is handed to the engine (checks, chat template, tokenizing);
+- ``queue``: handed to the engine until first scheduled;
 - ``prefill``: first scheduled until the first token, with one ``prefill_chunk`` child per step that computed
   prompt tokens (chunked prefill: ``pagedserve.prefill.tokens`` each);
 - ``decode``: the first token until the last, with a ``detokenize`` event (``pagedserve.detokenize_s``: the time
@@ -126,6 +127,7 @@ class CallTrace:
     def _children(self, t: EngineTimings, prompt_index: int | None, end: float) -> None:
         """The spans of one engine request (its times so far: a call cut short has fewer)."""
         base = {} if prompt_index is None else {"pagedserve.prompt_index": prompt_index}
+        self._child("preprocess", self.start, t.submitted, base)
         self._child("queue", t.submitted, t.first_scheduled or end, base)
         if t.first_scheduled is None:
             return
