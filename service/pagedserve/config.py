@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from .config_checks import _check, _check_choices
 from .config_speculative import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401
@@ -230,6 +231,8 @@ class ServerConfig:
             "api-key" (the name of the key presented: a key-file line ``<key> <name>``, else ``key-<sha256
             prefix>``; ``default`` for --api-key) or "header:NAME" (a header / metadata key the mesh sets after
             authenticating upstream, e.g. ``header:x-caller``); None: off (arrival order within a priority).
+        otlp_traces_endpoint: OpenTelemetry traces go to this OTLP collector URL (vLLM's flag): gRPC, or HTTP
+            (protobuf) when the path ends in /v1/traces or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says so; None: off.
     """
 
     host: str = "127.0.0.1"
@@ -268,6 +271,7 @@ class ServerConfig:
     allowed_headers: str = '["*"]'
     allow_credentials: bool = False
     fair_share_by: str | None = None
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.embedding_model is not None and self.embedding_model.lower() == "none":
@@ -306,6 +310,9 @@ class ServerConfig:
                "--enable-auto-tool-choice needs --tool-call-parser")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             self.cors_list(name)
+        url = urlsplit(self.otlp_traces_endpoint or "http://x")
+        _check(url.scheme in ("http", "https") and bool(url.hostname), "otlp_traces_endpoint",
+               f"must be an http:// or https:// URL, got {self.otlp_traces_endpoint!r}")
 
     def cors_list(self, name: str) -> list[str]:
         """A CORS setting (``allowed_origins`` ...) parsed. Raises ValueError naming it unless a JSON list of

@@ -10,6 +10,8 @@ Every environment variable the server, its workers and its kernel build look at 
 - ``CXX``: the C++ compiler for the CPU kernels (:func:`cxx_compiler`).
 - ``PAGEDSERVE_KERNEL_CACHE_DIR``: where compiled CPU kernels are cached (:func:`kernel_cache_dir`); not a config
   field, so the CLI leaves it out of its unknown-variable warning.
+- The OpenTelemetry SDK's standard ``OTEL_*`` variables that tracing (``--otlp-traces-endpoint``) follows
+  (:func:`otel_settings`): service name and resource, sampler, OTLP protocol, batch export delay.
 """
 from __future__ import annotations
 
@@ -64,3 +66,29 @@ def kernel_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Where compiled kernels are cached: ``$PAGEDSERVE_KERNEL_CACHE_DIR`` or ``~/.cache/pagedserve``."""
     value = _env(environ).get(KERNEL_CACHE_DIR_VAR)
     return Path(value) if value else Path.home() / ".cache" / "pagedserve"
+
+
+@dataclass(frozen=True, slots=True)
+class OtelSettings:
+    """The OpenTelemetry variables tracing reads (the specification's names and defaults; unset: None). The OTLP
+    exporter itself still reads its transport variables (``OTEL_EXPORTER_OTLP_HEADERS``, ``..._CERTIFICATE``,
+    ``..._TIMEOUT``, ``..._COMPRESSION``) as the SDK documents them."""
+    service_name: str | None          # OTEL_SERVICE_NAME
+    resource_attributes: str | None   # OTEL_RESOURCE_ATTRIBUTES: "key=value,key=value"
+    sampler: str | None               # OTEL_TRACES_SAMPLER (default parentbased_always_on)
+    sampler_arg: str | None           # OTEL_TRACES_SAMPLER_ARG (the ratio of the traceidratio samplers)
+    protocol: str | None              # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL
+    schedule_delay_ms: str | None     # OTEL_BSP_SCHEDULE_DELAY: milliseconds between batch exports
+
+
+def otel_settings(environ: Mapping[str, str] | None = None) -> OtelSettings:
+    """The ``OTEL_*`` variables of :class:`OtelSettings` (an empty value counts as unset)."""
+    env = _env(environ)
+
+    def get(name: str) -> str | None:
+        return env.get(name) or None
+
+    return OtelSettings(get("OTEL_SERVICE_NAME"), get("OTEL_RESOURCE_ATTRIBUTES"), get("OTEL_TRACES_SAMPLER"),
+                        get("OTEL_TRACES_SAMPLER_ARG"),
+                        get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or get("OTEL_EXPORTER_OTLP_PROTOCOL"),
+                        get("OTEL_BSP_SCHEDULE_DELAY"))

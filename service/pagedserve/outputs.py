@@ -80,3 +80,21 @@ class CompletionDelta:
     error: Exception | None = None                   # set when processing this request failed (it is aborted)
     embedding: torch.Tensor | None = None            # pooling requests: last token's final hidden state [hidden] fp32
     cumulative_logprob: float | None = None          # beam search: the completion's summed token logprobs
+
+
+@dataclass(slots=True)
+class EngineTimings:
+    """When one traced generation request went through the engine, in monotonic seconds (``time.monotonic()``).
+    Made by the request pipeline only while tracing is on (:mod:`pagedserve.serving.call_trace`), filled by the
+    engine thread (:class:`pagedserve.engine.timings.TimingRecorder`), read once the request's stream has ended."""
+
+    submitted: float                           # handed to the engine (after tokenizing)
+    first_scheduled: float | None = None       # first scheduled in a step (None: never)
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens computed)
+                                               # of each step before the first completion's first token
+    first_token: float | None = None           # end of the step that sampled the first token (of any completion)
+    last_token: float | None = None            # end of the step that sampled the last token
+    num_decode_steps: int = 0                  # steps of the first completion after its first token
+    detokenize_s: float = 0.0                  # time in the incremental detokenizer, over every completion
+    num_cached_tokens: int = 0                 # prompt tokens the prefix cache served (first completion)
+    num_preemptions: int = 0                   # over every completion

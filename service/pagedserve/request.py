@@ -70,6 +70,8 @@ class Request:
     gang: Any = None                        # the requests it runs with as one unit (``members``, ``seats``; beam
                                             # search's BeamGroup, core.sched.beam_groups): scheduled, preempted and
                                             # readmitted together
+    timings: Any = None                     # tracing: the pagedserve.outputs.EngineTimings the engine records
+                                            # into (:mod:`pagedserve.engine.timings`); None: not traced
     seq_id: int = field(default_factory=lambda: next(_seq_ids))  # unique in the process: the id the worker and
                                             # the step's data know it by (client ids may repeat across completions)
 

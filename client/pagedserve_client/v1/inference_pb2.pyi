@@ -1255,6 +1255,46 @@ class KVCacheStats(_message.Message):
 Global___KVCacheStats: _TypeAlias = KVCacheStats  # noqa: Y015
 
 @_typing.final
+class TracingInfo(_message.Message):
+    """TracingInfo: OpenTelemetry tracing of generation calls (--otlp-traces-endpoint)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    OTLP_TRACES_ENDPOINT_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    SAMPLER_FIELD_NUMBER: _builtins.int
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """False: tracing is off (no span is made); the other fields are then empty."""
+    otlp_traces_endpoint: _builtins.str
+    """The OTLP collector URL spans are exported to."""
+    protocol: _builtins.str
+    """"grpc" or "http/protobuf"."""
+    sampler: _builtins.str
+    """OTEL_TRACES_SAMPLER's name, with the ratio after a colon for the traceidratio samplers
+    (e.g. "parentbased_traceidratio:0.1").
+    """
+    service_name: _builtins.str
+    """The resource's service.name (OTEL_SERVICE_NAME; default pagedserve)."""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        otlp_traces_endpoint: _builtins.str = ...,
+        protocol: _builtins.str = ...,
+        sampler: _builtins.str = ...,
+        service_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "otlp_traces_endpoint", b"otlp_traces_endpoint", "protocol", b"protocol", "sampler", b"sampler", "service_name", b"service_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TracingInfo: _TypeAlias = TracingInfo  # noqa: Y015
+
+@_typing.final
 class GetModelInfoResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1262,6 +1302,7 @@ class GetModelInfoResponse(_message.Message):
     EMBEDDING_FIELD_NUMBER: _builtins.int
     KV_CACHE_FIELD_NUMBER: _builtins.int
     RERANK_FIELD_NUMBER: _builtins.int
+    TRACING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def generation(self) -> Global___GenerationModelInfo:
         """Unset when no generation model is loaded."""
@@ -1276,6 +1317,10 @@ class GetModelInfoResponse(_message.Message):
     def rerank(self) -> Global___RerankModelInfo:
         """What Rerank and Score run on: the cross-encoder, or the embedding model (cosine); unset when neither is loaded."""
 
+    @_builtins.property
+    def tracing(self) -> Global___TracingInfo:
+        """Always set."""
+
     def __init__(
         self,
         *,
@@ -1283,10 +1328,11 @@ class GetModelInfoResponse(_message.Message):
         embedding: Global___EmbeddingModelInfo | None = ...,
         kv_cache: Global___KVCacheStats | None = ...,
         rerank: Global___RerankModelInfo | None = ...,
+        tracing: Global___TracingInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank", "tracing", b"tracing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank", "tracing", b"tracing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

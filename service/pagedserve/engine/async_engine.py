@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -20,9 +21,10 @@ import structlog
 import torch
 
 from ..errors import DuplicateRequestError, EngineUnavailableError
-from ..outputs import CompletionDelta, Usage
+from ..outputs import CompletionDelta, EngineTimings, Usage
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
+from .timings import TimingRecorder
 
 log = structlog.get_logger(__name__)
 
@@ -38,6 +40,7 @@ class AddRequest:
     cache_salt: str | None = None
     deadline: float | None = None   # time.monotonic() seconds
     caller: str = ""                # fair shares: who sent it
+    timings: EngineTimings | None = None   # tracing: record the request's step times here (None: not traced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead: BaseException | None = None
+        self.timings = TimingRecorder()   # the traced requests' step times (engine thread)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,9 +137,12 @@ class AsyncEngine:
     # ---- API for the servicer ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       deadline: float | None = None, caller: str = "") -> AsyncIterator[CompletionDelta]:
+                       deadline: float | None = None, caller: str = "", timings: EngineTimings | None = None
+                       ) -> AsyncIterator[CompletionDelta]:
         """Queue a request and yield its deltas until every completion has finished. ``deadline``: the call's, in
-        ``time.monotonic()`` seconds (see :mod:`pagedserve.core.sched.deadlines`).
+        ``time.monotonic()`` seconds (see :mod:`pagedserve.core.sched.deadlines`); ``caller``: who sent it (fair
+        shares). With ``timings`` (tracing), the engine thread records the request's step times there (not for
+        beam search), complete once the last delta is out.
 
         Raises (before the first delta):
             DuplicateRequestError, InvalidInputError, QueueFullError: from validation.
@@ -143,7 +150,7 @@ class AsyncEngine:
                 while waiting).
             EngineUnavailableError: shutting down or the engine died (also raised mid-stream).
         """
-        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, deadline, caller)
+        command = AddRequest(request_id, prompt_token_ids, params, priority, cache_salt, deadline, caller, timings)
         async for delta in self._stream(request_id, params.n, command):
             yield delta
 
@@ -219,9 +226,12 @@ class AsyncEngine:
     def _execute(self, command: EngineCommand):
         """Run one command on the engine thread; returns what the engine method returned."""
         if isinstance(command, AddRequest):
-            return self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                           command.priority, command.cache_salt, command.deadline,
-                                           command.caller)
+            children = self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                               command.priority, command.cache_salt, command.deadline,
+                                               command.caller)
+            if command.timings is not None and command.params.beam_search is None:
+                self.timings.add(children, command.timings)
+            return children
         if isinstance(command, AddPoolingRequest):
             return self.engine.add_pooling_request(command.request_id, command.token_ids, command.priority,
                                                    command.cache_salt, command.field)
@@ -261,7 +271,10 @@ class AsyncEngine:
                 self._wakeup.clear()
                 self._drain_commands()
                 if self.engine.has_unfinished() and not self._stopping:
+                    start = time.monotonic() if self.timings else 0.0
                     deltas = self.engine.step()
+                    if self.timings:   # before the deltas go out: a final delta finds its timings complete
+                        self.timings.on_step(start, time.monotonic(), self.engine.last_step_composition)
                     if deltas:
                         self._loop.call_soon_threadsafe(self._dispatch, deltas)
         except BaseException as exc:  # the step loop died: every open and new call gets UNAVAILABLE

@@ -20,6 +20,7 @@ from ..serving.calls import CallTracker
 from ..serving.factory import ServiceFactory
 from ..serving.metrics import ServerMetrics
 from ..serving.services import Services, served_names
+from ..serving.tracing import Tracing
 
 log = structlog.get_logger(__name__)
 
@@ -34,6 +35,8 @@ class App:
         server_config, engine_config: the settings.
         factory: builds the services; default ``ServiceFactory(server_config, engine_config)`` (tests pass one
             with their own engine builder).
+
+    Raises ValueError for a bad ``OTEL_*`` variable when tracing is on (naming it).
     """
 
     def __init__(self, server_config: ServerConfig, engine_config: EngineConfig,
@@ -41,7 +44,8 @@ class App:
         self.server_config = server_config
         self.engine_config = engine_config
         self.factory = factory or ServiceFactory(server_config, engine_config)
-        self.services = Services(*served_names(server_config, engine_config.model))
+        self.services = Services(*served_names(server_config, engine_config.model),
+                                 tracing=Tracing.from_config(server_config.otlp_traces_endpoint))
         self.metrics = ServerMetrics()
         self.api_keys = ApiKeys(server_config.api_key, server_config.api_key_file)
         self.calls = CallTracker(self.services)   # API calls in flight over both ports
@@ -103,7 +107,9 @@ class App:
         log.info("ready", **fields, served_model_name=self.services.generation_name, grpc=f"{host}:{self.port}",
                  http=f"{host}:{self.http_port}" if self.http_port is not None else None,
                  tls=self.server_config.tls, mutual_tls=self.server_config.ssl_ca_certs is not None,
-                 api_keys=self.api_keys.enabled, metrics_port=self.metrics_port, load_s=round(load_s, 2))
+                 api_keys=self.api_keys.enabled, metrics_port=self.metrics_port,
+                 tracing=self.services.tracing.info() if self.services.tracing is not None else None,
+                 load_s=round(load_s, 2))
 
     def _on_engine_dead(self, exc: BaseException) -> None:
         asyncio.ensure_future(self.grpc.set_serving(False, process_too=True))
@@ -127,6 +133,8 @@ class App:
             await self.http.stop(FLUSH_S)
         await self.grpc.stop(FLUSH_S)
         self.metrics.stop_http()
+        if self.services.tracing is not None:   # the spans still batched are exported
+            await asyncio.to_thread(self.services.tracing.shutdown)
         log.info("server_stopped", calls_cut_at_grace_end=cut)
 
 

@@ -7,6 +7,7 @@
   shutdown has begun, the calls in flight that shutdown drains), and the gRPC server metrics per method and final
   status code.
 - :class:`AuthInterceptor`: API keys on the InferenceService.
+- :class:`TracingInterceptor` (with ``--otlp-traces-endpoint``): an OpenTelemetry server span per Generate call.
 
 Each wraps a handler's behaviour once, as a response stream: a unary handler runs as a stream of one response.
 """
@@ -21,6 +22,7 @@ import structlog
 from .. import errors
 from ..serving.caller_errors import ErrorKind, caller_error, error_kind
 from ..serving.calls import CallTracker
+from ..serving.tracing import TRACE_HEADERS
 
 log = structlog.get_logger(__name__)
 
@@ -296,3 +298,52 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             yield  # pragma: no cover - abort raised above
 
         return _rewrap(handler, lambda fn: refuse)
+
+
+# Codes that mark a server span failed (OpenTelemetry's semantic conventions for gRPC servers).
+SERVER_ERROR_CODES = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE",
+                                "DATA_LOSS"})
+
+
+class TracingInterceptor(grpc.aio.ServerInterceptor):
+    """A server span per call of ``methods`` (:meth:`pagedserve.serving.tracing.Tracing.traced`: the caller's
+    ``traceparent`` / ``tracestate`` metadata continue its trace), ended with the call's final status code
+    (``rpc.grpc.status_code``; status ERROR for the server-side failures, :data:`SERVER_ERROR_CODES`).
+
+    Args:
+        tracing: the process's :class:`~pagedserve.serving.tracing.Tracing`.
+        methods: full method names, e.g. ``/pagedserve.v1.InferenceService/Generate``.
+    """
+
+    def __init__(self, tracing, methods: tuple[str, ...]):
+        self.tracing = tracing
+        self.methods = frozenset(methods)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        full = handler_call_details.method
+        if handler is None or full not in self.methods:
+            return handler
+        service, _, name = full.lstrip("/").rpartition("/")
+        attrs = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+        return _rewrap(handler, lambda fn: self._wrap(fn, f"{service}/{name}", attrs))
+
+    def _wrap(self, fn, span_name: str, attrs: dict):
+        tracing = self.tracing
+
+        async def wrapper(request, context):
+            carrier = {k: v for k, v in context.invocation_metadata() or () if k in TRACE_HEADERS}
+            exc = None
+            with tracing.traced(carrier, span_name, attrs) as trace:
+                try:
+                    async for item in fn(request, context):
+                        yield item
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    code = _final_code(context, exc)
+                    trace.end({"rpc.grpc.status_code": grpc.StatusCode[code].value[0]} if code in
+                              grpc.StatusCode.__members__ else None, code if code in SERVER_ERROR_CODES else None)
+                    exc = request = None
+        return wrapper

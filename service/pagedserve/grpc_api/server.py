@@ -21,7 +21,7 @@ from ..serving.callers import caller_of
 from ..serving.calls import CallTracker
 from ..serving.metrics import ServerMetrics
 from ..serving.services import Services
-from .interceptors import AuthInterceptor, CallTrackingInterceptor, ErrorMappingInterceptor
+from .interceptors import AuthInterceptor, CallTrackingInterceptor, ErrorMappingInterceptor, TracingInterceptor
 from .reflection import enable_reflection
 from .servicer import InferenceServicer
 
@@ -49,6 +49,8 @@ class GrpcServer:
         interceptors = [CallTrackingInterceptor(metrics, tracker, SERVICE_NAME), ErrorMappingInterceptor()]
         if api_keys.enabled:
             interceptors.insert(1, AuthInterceptor(api_keys, SERVICE_NAME))
+        if services.tracing is not None:   # outside auth: a refused call has its span too
+            interceptors.insert(1, TracingInterceptor(services.tracing, (f"/{SERVICE_NAME}/Generate",)))
         self.server = grpc.aio.server(interceptors=interceptors, options=config.grpc_options())
         callers = functools.partial(caller_of, config.fair_share_by, keys=api_keys)
         pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(services, config.auto_tool_parser, callers),

@@ -13,6 +13,7 @@ from ..errors import InvalidInputError
 from ..serving.pipeline import open_generation
 from ..serving.rerank import rerank, score
 from ..serving.services import Services
+from ..serving.tracing import current_call_trace
 from . import convert
 
 
@@ -32,7 +33,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         caller = self.callers(dict(context.invocation_metadata() or ())) if self.callers else ""
         stream = await open_generation(generation, convert.generation_request_from_proto(
-            request, self.auto_tool_parser, deadline, caller))
+            request, self.auto_tool_parser, deadline, caller), current_call_trace())
         try:
             async for choice in stream:
                 yield convert.choice_to_proto(choice, generation.tokenizer)
@@ -96,6 +97,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         resp = pb.GetModelInfoResponse()
         generation, embedding = self.services.generation, self.services.embedding
+        tracing = self.services.tracing
+        resp.tracing.CopyFrom(pb.TracingInfo(enabled=True, **tracing.info()) if tracing is not None else
+                              pb.TracingInfo(enabled=False))
         if generation is not None:
             info = generation.info
             resp.generation.CopyFrom(pb.GenerationModelInfo(

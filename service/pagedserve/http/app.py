@@ -43,6 +43,7 @@ from .openai_serving import OpenAIServing
 from .rerank_routes import build_router as build_rerank_router
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                        TokenizeRequest)
+from .tracing import TracingMiddleware
 
 API_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/rerank", "/score")
 
@@ -202,6 +203,7 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
     app.add_middleware(CORSMiddleware, allow_origins=config.cors_list("allowed_origins"),
                        allow_methods=config.cors_list("allowed_methods"),
                        allow_headers=config.cors_list("allowed_headers"), allow_credentials=config.allow_credentials)
-    gate = GateMiddleware(app, tracker or CallTracker(services), api_keys, config.max_request_body_bytes)
+    inner = app if services.tracing is None else TracingMiddleware(app, services.tracing)
+    gate = GateMiddleware(inner, tracker or CallTracker(services), api_keys, config.max_request_body_bytes)
     return app, gate
 

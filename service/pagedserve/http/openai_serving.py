@@ -29,6 +29,7 @@ from ..serving.generation import GenerateCall
 from ..serving.pipeline import GenerationRequest, GenerationStream, open_generation
 from ..serving.prompts import TextPrompt
 from ..serving.services import Services
+from ..serving.tracing import current_call_trace
 from ..tool_calls import plan_tools
 from . import convert as cv
 from .chat_shaper import ChatShaper
@@ -108,7 +109,8 @@ class OpenAIServing:
         params = cv.sampling_params(body, max_tokens, k)
         call = GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt,
                             _deadline(body), self._caller(request))
-        stream = await open_generation(generation, GenerationRequest((call,), plan, fields, body.stream))
+        stream = await open_generation(generation, GenerationRequest((call,), plan, fields, body.stream),
+                                       current_call_trace())
         text = cv.TokenText(generation.tokenizer, body.return_tokens_as_token_ids)
         shaper = ChatShaper(cv.new_id("chatcmpl"), model, text, k is not None, plan)
         return await _respond(stream, shaper, body, request)
@@ -127,7 +129,7 @@ class OpenAIServing:
         calls = tuple(GenerateCall(p, params, f"{rid}-{i}" if rid and len(prompts) > 1 else rid, body.priority,
                                    body.cache_salt, _deadline(body), self._caller(request))
                       for i, p in enumerate(prompts))
-        stream = await open_generation(generation, GenerationRequest(calls, None, fields))
+        stream = await open_generation(generation, GenerationRequest(calls, None, fields), current_call_trace())
         text = cv.TokenText(generation.tokenizer, body.return_tokens_as_token_ids)
         echo = [(p.text if isinstance(p, TextPrompt) else text.decode(ids), ids)
                 for p, ids in zip(prompts, stream.prompt_ids)] if body.echo else None

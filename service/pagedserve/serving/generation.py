@@ -52,7 +52,8 @@ class GenerationService:
         self.engine = engine
         self.info = info
         self.chat_template = chat_template
-        self.request_metrics = RequestMetrics(metrics, served_name or info.name)
+        self.served_name = served_name or info.name   # the model name callers use (and the metrics' label)
+        self.request_metrics = RequestMetrics(metrics, self.served_name)
         self.tokenizer = engine.tokenizer   # the model's transformers tokenizer
 
     @property

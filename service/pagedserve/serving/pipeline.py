@@ -24,7 +24,9 @@ from ..errors import PagedServeError
 from ..outputs import CompletionDelta, Usage
 from ..tool_calls import ToolPlan
 from .caller_errors import ENGINE_NAMES, FieldNames
+from .call_trace import CallTrace
 from .generation import GenerateCall, GenerationService
+from .prompts import ChatPrompt
 from .tools import StreamedToolCalls, apply_tools, finish_reason, reads_tools
 
 log = structlog.get_logger(__name__)
@@ -67,15 +69,17 @@ class ChoiceDelta:
     tool_calls: list[dict] = field(default_factory=list)  # new tool-call pieces (index, id, type, function)
 
 
-async def open_generation(generation: GenerationService, request: GenerationRequest) -> GenerationStream:
-    """Start ``request`` and return its stream once the first delta is in.
+async def open_generation(generation: GenerationService, request: GenerationRequest,
+                          trace: CallTrace | None = None) -> GenerationStream:
+    """Start ``request`` and return its stream once the first delta is in. With ``trace`` (the call's, tracing
+    on) the call's span is described, its engine requests record their timings and its usage is set on close.
 
     Raises (naming the engine's fields; ``caller_error(exc, request.fields)`` names the caller's):
         InvalidInputError: a bad prompt, sampling value or tool choice for this model (naming the field).
         DuplicateRequestError, QueueFullError: from admission.
         EngineUnavailableError: shutting down or the engine died.
     """
-    stream = GenerationStream(generation, request)
+    stream = GenerationStream(generation, request, trace)
     await stream.open()
     return stream
 
@@ -83,8 +87,9 @@ async def open_generation(generation: GenerationService, request: GenerationRequ
 class GenerationStream:
     """The deltas of one :class:`GenerationRequest`, merged over its calls (see :func:`open_generation`)."""
 
-    def __init__(self, generation: GenerationService, request: GenerationRequest):
-        self.generation, self.request = generation, request
+    def __init__(self, generation: GenerationService, request: GenerationRequest, trace: CallTrace | None = None):
+        self.generation, self.request, self.trace = generation, request, trace
+        self._finish_reasons: dict[int, str] = {}   # choice index -> finish reason (kept for the trace)
         self.n = request.calls[0].params.n
         self.usage = UsageTotal()
         self.prompt_ids: list[list[int]] = []   # each call's prompt token ids, once open
@@ -98,6 +103,9 @@ class GenerationStream:
     async def open(self) -> None:
         """Prepare every call, start it and wait for the first delta (see :func:`open_generation`)."""
         calls = [apply_tools(c, self.request.tools, self.request.fields) for c in self.request.calls]
+        if self.trace is not None:
+            operation = "chat" if isinstance(calls[0].prompt, ChatPrompt) else "text_completion"
+            self.trace.describe(operation, self.generation.served_name, calls[0].params)
         self.prompt_ids = [await self.generation.prepare(c) for c in calls]
         if len(calls) == 1:
             self._direct = self._run(calls[0], self.prompt_ids[0])
@@ -122,7 +130,11 @@ class GenerationStream:
             yield self._choice(prompt_index, delta)
 
     async def close(self) -> None:
-        """Abort whatever still runs (idempotent)."""
+        """Abort whatever still runs (idempotent); a traced call gets its usage and finish reasons."""
+        if self.trace is not None:
+            u = self.usage
+            self.trace.set_result(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens,
+                                  [self._finish_reasons[i] for i in sorted(self._finish_reasons)])
         if self._direct is not None:
             await self._direct.aclose()
         for task in self._tasks:
@@ -133,6 +145,8 @@ class GenerationStream:
         if d.usage is not None:
             self.usage.add(d.usage)
         index = prompt_index * self.n + d.index
+        if d.finish_reason is not None and self.trace is not None:
+            self._finish_reasons[index] = d.finish_reason
         if self._tools is None:
             return ChoiceDelta(index, prompt_index, d, d.text, d.finish_reason)
         content, calls, called = self._tools.feed(index, d.text, d.finish_reason is not None)
@@ -165,8 +179,9 @@ class GenerationStream:
         log.info("generate_start", request_id=request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens,
                  n=params.n)
         times = metrics.start(params.n, len(ids))
+        timings = self.trace.engine_timings(request_id) if self.trace is not None else None
         engine_stream = self.generation.engine.generate(request_id, ids, params, call.priority, call.cache_salt,
-                                                        call.deadline, call.caller)
+                                                        call.deadline, call.caller, timings)
         num_tokens, refused = 0, False
         try:
             async for delta in engine_stream:

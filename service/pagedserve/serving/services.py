@@ -8,6 +8,7 @@ from ..embedding import EmbeddingService
 from ..embedding.scoring import ScoringService
 from ..errors import EngineUnavailableError, ModelNotLoadedError
 from .generation import GenerationService
+from .tracing import Tracing
 
 
 EMBEDDED_GENERATION_NAME = "SmolLM2-135M-Instruct"
@@ -35,6 +36,7 @@ class Services:
     rerank_name: str = ""                  # its served name: --rerank-model as given, or the embedding name
     loading: bool = True          # models still loading
     shutting_down: bool = False   # shutdown has begun: new work is refused
+    tracing: Tracing | None = None  # OpenTelemetry tracing (--otlp-traces-endpoint); None: off
 
     def require_generation(self) -> GenerationService:
         """The generation service.

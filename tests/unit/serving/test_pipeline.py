@@ -34,7 +34,7 @@ class ScriptedEngine:
         self.params: dict[str, SamplingParams] = {}
         self.closed: list[str] = []
 
-    async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None, deadline=None, caller=""):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None, deadline=None, caller="", timings=None):
         self.params[request_id] = params
         try:
             for item in self.script(request_id, params):

@@ -2,6 +2,8 @@
 stop strings on the detokenized text (:class:`OutputText`). The scheduler's ``update_from_output`` calls both."""
 from __future__ import annotations
 
+import time
+
 from ...request import Request, RequestStatus
 from ..detokenizer import IncrementalDetokenizer
 from .output import RequestUpdate
@@ -50,7 +52,16 @@ class OutputText:
         """Feed ``update``'s new tokens (a stop token's text only with include_stop_str_in_output) to its
         detokenizer, appending to ``update.text``; on a stop string the tokens after the one that completed it
         leave ``update`` and the request, and ``finish(request, FINISHED_STOPPED)`` ends it (a request that ended
-        on its length this step is stopped by the string instead)."""
+        on its length this step is stopped by the string instead). A traced request (``request.timings``) adds
+        the time this took to its ``detokenize_s``."""
+        timings = update.request.timings
+        if timings is None:
+            return self._push(update, finish)
+        start = time.monotonic()
+        self._push(update, finish)
+        timings.detokenize_s += time.monotonic() - start
+
+    def _push(self, update: RequestUpdate, finish) -> None:
         req = update.request
         detok = self._detok.get(req)
         if detok is None:
