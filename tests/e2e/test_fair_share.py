@@ -74,3 +74,12 @@ def test_bad_fair_share_by_is_refused_naming_it(kwargs, field):
 def test_bad_weights_are_refused_naming_the_field(weights):
     with pytest.raises(ValueError, match="fair_share_weights"):
         EngineConfig(fair_share_weights=weights)
+
+
+def test_get_model_info_says_how_calls_are_scheduled(server):
+    with server_sharing_model(server, server_kwargs={"fair_share_by": "header:x-caller"},
+                              fair_share_weights='{"gold": 2}', max_queue_time_s=30.0) as s, \
+            grpc.insecure_channel(s.target) as channel:
+        info = pb_grpc.InferenceServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30).scheduling
+        assert info.deadline_scheduling and info.max_queue_time_s == 30.0
+        assert info.fair_share_by == "header:x-caller" and dict(info.fair_share_weights) == {"gold": 2.0}

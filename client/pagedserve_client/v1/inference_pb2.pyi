@@ -1303,6 +1303,7 @@ class GetModelInfoResponse(_message.Message):
     KV_CACHE_FIELD_NUMBER: _builtins.int
     RERANK_FIELD_NUMBER: _builtins.int
     TRACING_FIELD_NUMBER: _builtins.int
+    SCHEDULING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def generation(self) -> Global___GenerationModelInfo:
         """Unset when no generation model is loaded."""
@@ -1321,6 +1322,10 @@ class GetModelInfoResponse(_message.Message):
     def tracing(self) -> Global___TracingInfo:
         """Always set."""
 
+    @_builtins.property
+    def scheduling(self) -> Global___SchedulingInfo:
+        """How the scheduler orders and refuses calls (deadlines, fair shares); set when a generation model is served."""
+
     def __init__(
         self,
         *,
@@ -1329,14 +1334,73 @@ class GetModelInfoResponse(_message.Message):
         kv_cache: Global___KVCacheStats | None = ...,
         rerank: Global___RerankModelInfo | None = ...,
         tracing: Global___TracingInfo | None = ...,
+        scheduling: Global___SchedulingInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank", "tracing", b"tracing"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank", "scheduling", b"scheduling", "tracing", b"tracing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank", "tracing", b"tracing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "generation", b"generation", "kv_cache", b"kv_cache", "rerank", b"rerank", "scheduling", b"scheduling", "tracing", b"tracing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class SchedulingInfo(_message.Message):
+    """SchedulingInfo: deadlines the scheduler keeps and fair shares per caller (README "Deadlines", "Fair shares")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class FairShareWeightsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    DEADLINE_SCHEDULING_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_TIME_S_FIELD_NUMBER: _builtins.int
+    FAIR_SHARE_BY_FIELD_NUMBER: _builtins.int
+    FAIR_SHARE_WEIGHTS_FIELD_NUMBER: _builtins.int
+    deadline_scheduling: _builtins.bool
+    """Deadlines kept: earliest deadline first within a priority, refusal before prefill (--deadline-scheduling)."""
+    max_queue_time_s: _builtins.float
+    """Seconds a call without a deadline may wait unscheduled (--max-queue-time-s); unset: unbounded."""
+    fair_share_by: _builtins.str
+    """Who a caller is for fair shares: "api-key", "header:NAME", or "" (off) (--fair-share-by)."""
+    @_builtins.property
+    def fair_share_weights(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Caller weights (--fair-share-weights); callers not listed weigh 1."""
+
+    def __init__(
+        self,
+        *,
+        deadline_scheduling: _builtins.bool = ...,
+        max_queue_time_s: _builtins.float | None = ...,
+        fair_share_by: _builtins.str = ...,
+        fair_share_weights: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_queue_time_s", b"_max_queue_time_s", "max_queue_time_s", b"max_queue_time_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_queue_time_s", b"_max_queue_time_s", "deadline_scheduling", b"deadline_scheduling", "fair_share_by", b"fair_share_by", "fair_share_weights", b"fair_share_weights", "max_queue_time_s", b"max_queue_time_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_queue_time_s: _TypeAlias = _typing.Literal["max_queue_time_s"]  # noqa: Y015
+    _WhichOneofArgType__max_queue_time_s: _TypeAlias = _typing.Literal["_max_queue_time_s", b"_max_queue_time_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_queue_time_s) -> _WhichOneofReturnType__max_queue_time_s | None: ...
+
+Global___SchedulingInfo: _TypeAlias = SchedulingInfo  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):

@@ -97,7 +97,9 @@ class App:
                           prefill_attention_dtype=info.prefill_attention_dtype, architecture=info.architecture,
                           sliding_windows=sorted({w for w in info.sliding_windows if w}) or None,
                           num_experts=info.num_experts or None,
-                          compile_s=None if info.compile_s is None else round(info.compile_s, 2))
+                          compile_s=None if info.compile_s is None else round(info.compile_s, 2),
+                          deadline_scheduling=generation.engine.engine.config.deadline_scheduling,
+                          max_queue_time_s=generation.engine.engine.config.max_queue_time_s)
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)
         if self.services.rerank is not None:
@@ -108,6 +110,7 @@ class App:
                  http=f"{host}:{self.http_port}" if self.http_port is not None else None,
                  tls=self.server_config.tls, mutual_tls=self.server_config.ssl_ca_certs is not None,
                  api_keys=self.api_keys.enabled, metrics_port=self.metrics_port,
+                 fair_share_by=self.server_config.fair_share_by,
                  tracing=self.services.tracing.info() if self.services.tracing is not None else None,
                  load_s=round(load_s, 2))
 

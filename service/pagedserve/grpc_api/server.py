@@ -53,7 +53,8 @@ class GrpcServer:
             interceptors.insert(1, TracingInterceptor(services.tracing, (f"/{SERVICE_NAME}/Generate",)))
         self.server = grpc.aio.server(interceptors=interceptors, options=config.grpc_options())
         callers = functools.partial(caller_of, config.fair_share_by, keys=api_keys)
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(services, config.auto_tool_parser, callers),
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(services, config.auto_tool_parser, callers,
+                                                                         config.fair_share_by),
                                                        self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), self.server)

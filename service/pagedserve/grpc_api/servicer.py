@@ -22,10 +22,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     once the models are loaded): each method maps proto to plain types and back, nothing more."""
 
     def __init__(self, services: Services, auto_tool_parser: str | None = None,
-                 callers: Callable[[Mapping[str, str]], str] | None = None):
+                 callers: Callable[[Mapping[str, str]], str] | None = None, fair_share_by: str | None = None):
         self.services = services
         self.auto_tool_parser = auto_tool_parser  # --tool-call-parser when --enable-auto-tool-choice is on
         self.callers = callers                    # metadata -> the caller's name (fair shares; serving/callers.py)
+        self.fair_share_by = fair_share_by        # --fair-share-by (GetModelInfo says it)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         generation = self.services.require_generation()
@@ -97,6 +98,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         resp = pb.GetModelInfoResponse()
         generation, embedding = self.services.generation, self.services.embedding
+        if generation is not None:
+            config = generation.engine.engine.config
+            resp.scheduling.CopyFrom(pb.SchedulingInfo(
+                deadline_scheduling=config.deadline_scheduling, max_queue_time_s=config.max_queue_time_s,
+                fair_share_by=self.fair_share_by or "", fair_share_weights=config.fair_share()))
         tracing = self.services.tracing
         resp.tracing.CopyFrom(pb.TracingInfo(enabled=True, **tracing.info()) if tracing is not None else
                               pb.TracingInfo(enabled=False))
