@@ -21,7 +21,8 @@ NOW = 1000.0
 def req(rid: str, n_prompt: int = 4, max_tokens: int = 8, priority: int = 0, deadline: float | None = None,
         arrival: float = NOW) -> Request:
     base = 1000 * (sum(map(ord, rid)) % 40)
-    return Request(rid, list(range(base + 1, base + n_prompt + 1)), SamplingParams(), max_tokens=max_tokens,
+    return Request(rid, list(range(base + 1, base + n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
+                   max_tokens=max_tokens,
                    eos_token_ids=frozenset(), priority=priority, deadline=deadline, arrival_time=arrival)
 
 
@@ -115,3 +116,10 @@ def test_the_scheduler_sweep_finds_only_late_waiting_requests():
     found = s.late_waiting(NOW)
     assert [r.request_id for r, _ in found] == ["late"] and isinstance(found[0][1], DeadlineError)
     assert math.isinf(DeadlinePolicy.queue_key(plain))
+
+
+def test_without_an_explicit_max_tokens_only_expiry_counts():
+    p = DeadlinePolicy(64)
+    p.timer.observe(1.0)
+    r = Request("d", [1, 2, 3], SamplingParams(), max_tokens=8000, eos_token_ids=frozenset(), deadline=NOW + 5)
+    assert p.refusal(r, NOW, [req("running")]) is None     # max_tokens is the context's room: no estimate

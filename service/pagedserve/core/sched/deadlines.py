@@ -6,7 +6,8 @@ deadline first (EDF; Liu & Layland, JACM 1973; a request without one sorts after
 step, and when a request arrives, every waiting request that was never admitted is checked:
 
 - its deadline has passed, or
-- it cannot finish by it even if it started now (checked while requests run, so the step time is current): ``now + (prefill steps + max_tokens) * step time > deadline``,
+- it cannot finish by it even if it started now (checked while requests run, so the step time is current, and
+  only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + (prefill steps + max_tokens) * step time > deadline``,
   where the step time is the mean wall time of the executor's recent steps (:class:`StepTimer`; each step
   advances every running request by one token, and a prompt needs ``ceil(prompt / long_prefill_token_threshold)``
   steps), or
@@ -107,8 +108,11 @@ class DeadlinePolicy:
             self.stats.refused_expired += 1
             return DeadlineError(f"the deadline passed after {now - request.arrival_time:.2f} s in the queue, "
                                  "before the request could be scheduled", retry_after_s=self.retry_after_s(running))
-        need = self.estimated_service_s(request) if running else None  # an idle engine runs it at once, at its
-        if need is not None and need > left:                             # best speed: only expiry counts then
+        # Only with an explicit max_tokens (the default, the room left in the context, is a cap that EOS usually
+        # ends long before), and while requests run (an idle engine runs it at once, at its best speed).
+        explicit = request.params.max_tokens is not None
+        need = self.estimated_service_s(request) if running and explicit else None
+        if need is not None and need > left:
             self.stats.refused_infeasible += 1
             return DeadlineError(
                 f"cannot finish within the deadline: {request.num_prompt_tokens} prompt tokens and max_tokens "
