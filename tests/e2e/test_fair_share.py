@@ -18,14 +18,18 @@ from support import free_port, server_sharing_model
 pytestmark = pytest.mark.e2e
 
 
-def _caller_tokens(s) -> dict[tuple[str, str], float]:
+def _caller_series(s, family: str = "caller_tokens_total", key=("caller", "kind")) -> dict[tuple, float]:
     out = {}
     for line in httpx.get(s.http_url + "/metrics", timeout=10).text.splitlines():
-        m = re.match(r'^pagedserve:caller_tokens_total\{(.*)\} (\S+)$', line)
+        m = re.match(r'^pagedserve:' + family + r'\{(.*)\} (\S+)$', line)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            out[(labels["caller"], labels["kind"])] = float(m.group(2))
+            out[tuple(labels[k] for k in key)] = float(m.group(2))
     return out
+
+
+def _caller_tokens(s) -> dict[tuple[str, str], float]:
+    return _caller_series(s)
 
 
 def _generate(target: str, metadata=()) -> None:
@@ -46,6 +50,10 @@ def test_callers_named_by_a_header_on_both_apis(server):
         tokens = _caller_tokens(s)
         assert tokens[("gold", "decode")] >= 2 and tokens[("gold", "prefill")] >= 1, tokens
         assert tokens[("silver", "decode")] >= 3 and tokens[("_unnamed", "decode")] >= 3, tokens
+        waits = _caller_series(s, "caller_queue_time_seconds_count", ("caller",))
+        assert waits[("gold",)] == 1 and waits[("silver",)] == 1 and waits[("_unnamed",)] >= 1, waits  # + warm-up
+        assert all(v >= 0 for v in _caller_series(s, "caller_queue_time_seconds_sum", ("caller",)).values())
+        assert set(_caller_series(s, "caller_deadline_refusals_total", ("caller",)).values()) == {0}
 
 
 def test_callers_named_by_their_api_key(server, tmp_path):

@@ -285,11 +285,15 @@ class LLMEngine:
                 "deadline_refused_prefill_tokens": self.deadlines.stats.refused_prefill_tokens,
                 "deadline_misses": self.deadlines.stats.missed, "caller_tokens": self.caller_stats()}
 
-    def caller_stats(self) -> dict[str, tuple[int, int]]:
-        """Per caller (fair shares): (prefill tokens, decode tokens) scheduled since start."""
-        vtc = self.scheduler.fairness
-        return {c: (vtc.served_prefill.get(c, 0), vtc.served_decode.get(c, 0))
-                for c in set(vtc.served_prefill) | set(vtc.served_decode)}
+    def caller_stats(self) -> dict[str, dict[str, float]]:
+        """Per caller (fair shares), since start: ``prefill`` / ``decode`` tokens scheduled, ``queue_time_s``
+        (seconds its requests waited for their first step, summed) over ``scheduled`` requests, and deadline
+        ``refused`` requests (any reason)."""
+        vtc, refused = self.scheduler.fairness, self.deadlines.stats.refused_by_caller
+        callers = set(vtc.served_prefill) | set(vtc.served_decode) | set(vtc.num_scheduled) | set(refused)
+        return {c: {"prefill": vtc.served_prefill.get(c, 0), "decode": vtc.served_decode.get(c, 0),
+                    "queue_time_s": vtc.queue_time_s.get(c, 0.0), "scheduled": vtc.num_scheduled.get(c, 0),
+                    "refused": refused.get(c, 0)} for c in callers}
 
     def close(self) -> None:
         """Release the executor (tensor-parallel workers stop) and the grammar threads. Idempotent."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 PREFIX = "pagedserve:"
 # Bucket upper bounds in seconds.
@@ -95,22 +95,33 @@ MAX_CALLER_LABELS = 16
 """Callers with a label of their own in the per-caller metrics (the most served); the rest sum into "_other"."""
 
 
-def _caller_families(tokens: dict[str, tuple[int, int]], model: str):
-    """Tokens scheduled per caller (fair shares), a bounded label set: the :data:`MAX_CALLER_LABELS` most served
-    callers by name ("" is "_unnamed"), the others as "_other"."""
-    family = CounterMetricFamily(PREFIX + "caller_tokens", "Tokens computed per caller (fair shares), by kind.",
-                                 labels=["model_name", "caller", "kind"])
-    ranked = sorted(tokens.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
-    rows: dict[str, list[int]] = {}
-    for i, (caller, (prefill, decode)) in enumerate(ranked):
+def _caller_families(callers: dict[str, dict[str, float]], model: str):
+    """Per caller (fair shares; :meth:`LLMEngine.caller_stats`), a bounded label set: the
+    :data:`MAX_CALLER_LABELS` most served callers by name ("" is "_unnamed"), the others summed as "_other".
+    Families: tokens scheduled by kind, queue time (a summary: seconds waited for the first step, _sum and
+    _count), deadline refusals."""
+    ranked = sorted(callers.items(), key=lambda kv: -(kv[1]["prefill"] + kv[1]["decode"]))
+    rows: dict[str, dict[str, float]] = {}
+    for i, (caller, row) in enumerate(ranked):
         name = (caller or "_unnamed") if i < MAX_CALLER_LABELS else "_other"
-        row = rows.setdefault(name, [0, 0])
-        row[0] += prefill
-        row[1] += decode
-    for name, (prefill, decode) in rows.items():
-        family.add_metric([model, name, "prefill"], float(prefill))
-        family.add_metric([model, name, "decode"], float(decode))
-    yield family
+        into = rows.setdefault(name, dict.fromkeys(row, 0))
+        for key, value in row.items():
+            into[key] += value
+    labels = ["model_name", "caller"]
+    tokens = CounterMetricFamily(PREFIX + "caller_tokens", "Tokens computed per caller (fair shares), by kind.",
+                                 labels=labels + ["kind"])
+    queue = SummaryMetricFamily(PREFIX + "caller_queue_time_seconds", "Seconds a caller's requests waited in the "
+                                "queue before their first step.", labels=labels)
+    refusals = CounterMetricFamily(PREFIX + "caller_deadline_refusals", "A caller's requests refused before "
+                                   "prefill by the deadline policy (any reason).", labels=labels)
+    for name, row in rows.items():
+        tokens.add_metric([model, name, "prefill"], float(row["prefill"]))
+        tokens.add_metric([model, name, "decode"], float(row["decode"]))
+        queue.add_metric([model, name], count_value=int(row["scheduled"]), sum_value=float(row["queue_time_s"]))
+        refusals.add_metric([model, name], float(row["refused"]))
+    yield tokens
+    yield queue
+    yield refusals
 
 
 class ServerMetrics:

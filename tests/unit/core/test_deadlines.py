@@ -68,6 +68,10 @@ def test_refusal_rules():
     err = p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 0.95), NOW, busy)
     assert isinstance(err, DeadlineError) and "cannot finish within the deadline" in str(err)
     assert (p.stats.refused_expired, p.stats.refused_infeasible, p.stats.refused_queue_time) == (1, 1, 0)
+    assert p.stats.refused_by_caller == {"": 2}                          # per caller (fair shares' name)
+    named = req("e", deadline=NOW - 1)
+    named.caller = "team-a"
+    assert p.refusal(named, NOW, busy) is not None and p.stats.refused_by_caller == {"": 2, "team-a": 1}
 
 
 def test_a_request_admitted_once_is_never_refused():

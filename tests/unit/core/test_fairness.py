@@ -91,3 +91,42 @@ def test_weights_set_the_token_shares(weights):
     share_a = cost("a") / (cost("a") + cost("b"))
     want = weights["a"] / (weights["a"] + weights["b"])
     assert abs(share_a - want) <= 0.1 * want, (share_a, want)
+
+
+def test_the_step_budget_goes_to_the_least_served_callers_prefill_first():
+    """Admission alone is not enough: a heavy caller's running prefills, admitted first, would take every step's
+    budget ahead of a light caller's prompt. With two callers running, decodes go first, then prefills by counter."""
+    s = Scheduler(KVCacheManager(256, 16), max_num_seqs=8, max_num_batched_tokens=64,
+                  long_prefill_token_threshold=32)
+    heavy = [req("heavy", n_prompt=256) for _ in range(3)]
+    for r in heavy:
+        s.add_request(r)
+    first = schedule(s)                                   # heavy's first two chunks take the budget
+    assert [x.request for x in first.scheduled] == heavy[:2]
+    s.update_from_output(first.output, worker_output(first))
+    light = req("light", n_prompt=40)
+    s.add_request(light)
+    step = schedule(s)
+    assert step.scheduled[0].request is light and step.scheduled[0].num_new_tokens == 32, \
+        [(x.request.caller, x.num_new_tokens) for x in step.scheduled]
+    s.update_from_output(step.output, worker_output(step))
+    step = schedule(s)                                    # its last 8 tokens: still first, done in 2 steps
+    assert step.scheduled[0].request is light and step.scheduled[0].num_new_tokens == 8
+    s.update_from_output(step.output, worker_output(step))
+    step = schedule(s)                                    # now decoding: decodes go first
+    assert step.scheduled[0].request is light and step.scheduled[0].num_new_tokens == 1
+    assert s.fairness.num_scheduled == {"heavy": 2, "light": 1}   # heavy[2] still waits: the budget is spent
+    assert set(s.fairness.queue_time_s) == {"heavy", "light"}
+
+
+def test_with_one_caller_the_step_order_is_admission_order():
+    s = Scheduler(KVCacheManager(256, 16), max_num_seqs=8, max_num_batched_tokens=64,
+                  long_prefill_token_threshold=32)
+    reqs = [req("solo", n_prompt=96) for _ in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(3):
+        step = schedule(s)
+        order = [x.request for x in step.scheduled]
+        assert order == sorted(order, key=reqs.index)
+        s.update_from_output(step.output, worker_output(step))

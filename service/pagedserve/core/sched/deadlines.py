@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...errors import DeadlineError
 from ...request import Request
@@ -64,6 +64,7 @@ class DeadlineStats:
     refused_queue_time: int = 0       # no deadline, waited max_queue_time_s
     refused_prefill_tokens: int = 0
     missed: int = 0
+    refused_by_caller: dict[str, int] = field(default_factory=dict)   # caller (fair shares) -> refusals, any reason
 
 
 class DeadlinePolicy:
@@ -92,7 +93,15 @@ class DeadlinePolicy:
         return steps * self.timer.step_s
 
     def refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
-        """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run."""
+        """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run
+        (counted by reason and by ``request.caller``)."""
+        error = self._refusal(request, now, running)
+        if error is not None:
+            by = self.stats.refused_by_caller
+            by[request.caller] = by.get(request.caller, 0) + 1
+        return error
+
+    def _refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
         if request.num_computed_tokens > 0 or request.num_preemptions > 0:
             return None                   # admitted once: it runs on
         if request.deadline is None or not self.enabled:

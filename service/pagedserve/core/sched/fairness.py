@@ -38,6 +38,8 @@ class VirtualTokenCounter:
         self.live: dict[str, int] = {}            # caller -> its requests waiting or running
         self.served_prefill: dict[str, int] = {}  # caller -> prefill tokens scheduled (metrics)
         self.served_decode: dict[str, int] = {}   # caller -> decode tokens scheduled (metrics)
+        self.queue_time_s: dict[str, float] = {}  # caller -> seconds its requests waited for their first step
+        self.num_scheduled: dict[str, int] = {}   # caller -> requests that got their first step (metrics)
 
     def weight(self, caller: str) -> float:
         return float(self.weights.get(caller, 1.0))
@@ -65,12 +67,47 @@ class VirtualTokenCounter:
         self.served_prefill[caller] = self.served_prefill.get(caller, 0) + prefill_tokens
         self.served_decode[caller] = self.served_decode.get(caller, 0) + decode_tokens
 
+    def on_first_scheduled(self, caller: str, waited_s: float) -> None:
+        """A request of ``caller`` got its first step after waiting ``waited_s`` seconds (metrics)."""
+        self.queue_time_s[caller] = self.queue_time_s.get(caller, 0.0) + waited_s
+        self.num_scheduled[caller] = self.num_scheduled.get(caller, 0) + 1
+
+    def prefill_order(self, running: list, head=None) -> list | None:
+        """The per-step token budget's share (our extension of VTC from admission to the budget): with requests
+        of two or more callers running, the order in which ``running`` (requests with ``caller``, ``priority``,
+        ``num_tokens``, ``num_computed_tokens``) takes the budget: decodes (one token left to compute) first in
+        their order, then the prefilling requests by (priority, caller's counter, their order), so a light
+        caller's prompt chunks are not queued behind a heavy caller's. None when the order stays: one caller among
+        ``running`` and the waiting ``head`` (a request, or None)."""
+        if len({r.caller for r in running} | ({head.caller} if head is not None else set())) < 2:
+            return None
+
+        def key(item):
+            i, r = item
+            prefilling = r.num_tokens - r.num_computed_tokens > 1
+            if not prefilling:
+                return (0, 0, 0.0, 0, i)
+            return (1, r.priority, *self._rank(r.caller), i)
+        return [r for _, r in sorted(enumerate(running), key=key)]
+
+    def ahead(self, a, b) -> bool:
+        """Whether waiting request ``a`` (``caller``, ``priority``) comes before running prefill ``b`` for the
+        step's budget: a better priority, or the same and another caller with a smaller (counter, live requests)
+        (a caller just lifted to the backlogged minimum goes first)."""
+        if a.priority != b.priority:
+            return a.priority < b.priority
+        return a.caller != b.caller and self._rank(a.caller) < self._rank(b.caller)
+
+    def _rank(self, caller: str) -> tuple[float, int]:
+        return self.counters.get(caller, 0.0), self.live.get(caller, 0)
+
     def pick(self, candidates: Iterable[tuple[str, object]]) -> object | None:
         """Of ``(caller, item)`` pairs in queue order (best first), the first item of the caller with the smallest
-        counter; None when there are none."""
-        best, best_counter = None, None
+        counter, ties to the caller with fewer requests live (a caller just lifted to the backlogged minimum goes
+        before the one that set it); None when there are none."""
+        best, best_key = None, None
         for caller, item in candidates:
-            counter = self.counters.get(caller, 0.0)
-            if best_counter is None or counter < best_counter:
-                best, best_counter = item, counter
+            key = self._rank(caller)
+            if best_key is None or key < best_key:
+                best, best_key = item, key
         return best

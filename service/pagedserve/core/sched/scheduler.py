@@ -1,9 +1,11 @@
 """Continuous-batching scheduler with a token budget, chunked prefill and preemption by recompute
 (Orca, Yu et al. OSDI 2022; vLLM v1's unified scheduler).
 
-Each step: running requests first, in admission order (decodes and unfinished prefill chunks alike), then waiting
-requests by (priority, arrival). A request gets ``min(tokens left to compute, budget left, long_prefill_threshold)``
-new tokens. When blocks run out, the last admitted running request is preempted: its blocks are freed and it goes
+Each step: running requests first, in admission order (decodes and unfinished prefill chunks alike; with several
+callers running, decodes first, then prefills least-served caller first: :meth:`VirtualTokenCounter.prefill_order`),
+then waiting requests by (priority, fair share, deadline, arrival). A request gets ``min(tokens left to compute,
+budget left, long_prefill_threshold)`` new tokens. When blocks run out, the last running request is preempted
+(the last admitted; with several callers, the most-served caller's latest prefill): its blocks are freed, it goes
 back to the front of the waiting queue, to be recomputed later (the prefix cache usually brings most of it back).
 
 Features sit beside the scheduler, each behind one narrow interface: a gang (``request.gang``: an object with
@@ -114,9 +116,18 @@ class Scheduler:
             self.forks.release(self.add_request)
         out = StepPlan()
         budget = self.max_num_batched_tokens
+        fair = all(r.gang is None for r in self.running) and \
+            self.fairness.prefill_order(self.running, self._waiting.head())  # several callers: None when the plain order stands
+        self.running = fair or self.running
+        admitted: set[int] = set()                       # ids of requests admitted mid-loop (already scheduled)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if id(req) in admitted:
+                i += 1
+                continue
+            if fair and req.num_tokens - req.num_computed_tokens > 1:   # a prefill: less-served waiting callers first
+                budget = self._admit_waiting(out, budget, before=req, admitted=admitted)
             if req.gang is not None:
                 taken = self._schedule_gang(i, out, budget)
                 if taken is None:
@@ -145,7 +156,7 @@ class Scheduler:
                 i += 1
                 continue
             break  # req itself was preempted: nothing after it can be running
-        self._charge(out.scheduled)
+        self._charge([x for x in out.scheduled if id(x.request) not in admitted])
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         return self._emit(out, self.max_num_batched_tokens - budget)
@@ -163,6 +174,7 @@ class Scheduler:
         for s in plan.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
+                self.fairness.on_first_scheduled(s.request.caller, now - s.request.arrival_time)
         self.last_step_composition = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
         if self.gangs is not None and plan.preempted:
             self.gangs.on_preempted(plan.preempted)
@@ -207,9 +219,17 @@ class Scheduler:
             return []
         return drafts
 
-    def _admit_waiting(self, out: StepPlan, budget: int) -> int:
+    def _admit_waiting(self, out: StepPlan, budget: int, before: Request | None = None,
+                       admitted: set[int] | None = None) -> int:
+        """Admit waiting requests while budget, seats and blocks last; with ``before`` (a running prefill), only
+        those ahead of it in fair-share order (better priority, or same priority and a smaller caller counter),
+        their ids added to ``admitted``. Returns the budget left."""
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting.head()
+            if before is not None and (req.gang is not None or not self.fairness.ahead(req, before)):
+                break
+            if admitted is not None:
+                admitted.add(id(req))
             if req.gang is not None:
                 left = self._admit_gang(req.gang, out, budget)
                 if left is None:
