@@ -68,3 +68,17 @@ class Drafter:
         limit = self.config.rejection_backoff_max
         req.spec_backoff = 0 if accepted or not limit else min(limit, max(1, 2 * req.spec_backoff))
         req.spec_skip = req.spec_backoff
+
+
+def schedule_drafts(kv_cache, req: Request, n: int, budget: int) -> list[int]:
+    """Speculative drafts for a decoding request: as many of ``req.spec_token_ids`` as fit in the step's ``budget``
+    (tokens) after its ``n`` known tokens, with KV slots allocated for them in ``kv_cache`` (a KVCacheManager;
+    drafts never cause a preemption: without free blocks the request decodes plainly). Returns the scheduled
+    drafts ([] for none); clears the proposal."""
+    drafts, req.spec_token_ids = req.spec_token_ids, []
+    if not drafts or n != req.num_tokens - req.num_computed_tokens:
+        return []
+    drafts = drafts[:max(0, budget - n)]
+    if not drafts or not kv_cache.allocate_slots(req, n + len(drafts)):
+        return []
+    return drafts

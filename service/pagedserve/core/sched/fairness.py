@@ -67,6 +67,14 @@ class VirtualTokenCounter:
         self.served_prefill[caller] = self.served_prefill.get(caller, 0) + prefill_tokens
         self.served_decode[caller] = self.served_decode.get(caller, 0) + decode_tokens
 
+    def charge_scheduled(self, scheduled: Iterable) -> None:
+        """Charge a step's scheduled entries (``request``, ``num_new_tokens``): the prompt tokens among them as
+        prefill, the rest as decode. Charged as soon as they are scheduled, so the next admission sees them."""
+        for s in scheduled:
+            req = s.request
+            prefill = max(0, min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens))
+            self.charge(req.caller, prefill, s.num_new_tokens - prefill)
+
     def on_first_scheduled(self, caller: str, waited_s: float) -> None:
         """A request of ``caller`` got its first step after waiting ``waited_s`` seconds (metrics)."""
         self.queue_time_s[caller] = self.queue_time_s.get(caller, 0.0) + waited_s

@@ -25,6 +25,7 @@ from ...outputs import ModelRunnerOutput
 from ...request import Request, RequestStatus
 from ...scheduler_output import SchedulerOutput
 from .deadlines import DeadlinePolicy
+from .drafts import schedule_drafts
 from .fairness import VirtualTokenCounter
 from .forks import ForkWaitList
 from .output import EngineCoreOutputs, RequestUpdate, ScheduledRequest, StepPlan
@@ -139,7 +140,7 @@ class Scheduler:
                 i += 1
                 req.spec_token_ids = []
                 continue
-            drafts = self._schedule_drafts(req, n, budget)
+            drafts = schedule_drafts(self.kv_cache, req, n, budget)
             if drafts:
                 out.scheduled.append(ScheduledRequest(req, n + len(drafts), True, drafts))
                 budget -= n + len(drafts)
@@ -156,18 +157,10 @@ class Scheduler:
                 i += 1
                 continue
             break  # req itself was preempted: nothing after it can be running
-        self._charge([x for x in out.scheduled if id(x.request) not in admitted])
+        self.fairness.charge_scheduled([x for x in out.scheduled if id(x.request) not in admitted])
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         return self._emit(out, self.max_num_batched_tokens - budget)
-
-    def _charge(self, scheduled: list[ScheduledRequest]) -> None:
-        """The callers' service (fair shares): each scheduled request's prompt tokens, then decoded tokens. Charged
-        as soon as they are scheduled, so the next admission of the same step sees them."""
-        for s in scheduled:
-            req = s.request
-            prefill = max(0, min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens))
-            self.fairness.charge(req.caller, prefill, s.num_new_tokens - prefill)
 
     def _emit(self, plan: StepPlan, num_batched_tokens: int) -> SchedulerOutput:
         now = time.monotonic()
@@ -207,18 +200,6 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(b, n, b.num_computed_tokens + n == b.num_tokens))
         return count, left
 
-    def _schedule_drafts(self, req: Request, n: int, budget: int) -> list[int]:
-        """Speculative drafts for a decoding request: as many of ``req.spec_token_ids`` as fit in the budget after
-        its ``n`` known tokens, with KV slots allocated for them (drafts never cause a preemption: without free
-        blocks the request decodes plainly). Returns the scheduled drafts ([] for none); clears the proposal."""
-        drafts, req.spec_token_ids = req.spec_token_ids, []
-        if not drafts or n != req.num_tokens - req.num_computed_tokens:
-            return []
-        drafts = drafts[:max(0, budget - n)]
-        if not drafts or not self.kv_cache.allocate_slots(req, n + len(drafts)):
-            return []
-        return drafts
-
     def _admit_waiting(self, out: StepPlan, budget: int, before: Request | None = None,
                        admitted: set[int] | None = None) -> int:
         """Admit waiting requests while budget, seats and blocks last; with ``before`` (a running prefill), only
@@ -247,7 +228,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
-            self._charge(out.scheduled[-1:])
+            self.fairness.charge_scheduled(out.scheduled[-1:])
             budget -= n
         return budget
 
@@ -274,7 +255,7 @@ class Scheduler:
             self.running.append(b)
             if n > 0:
                 out.scheduled.append(ScheduledRequest(b, n, b.num_computed_tokens + n == b.num_tokens))
-                self._charge(out.scheduled[-1:])
+                self.fairness.charge_scheduled(out.scheduled[-1:])
             budget -= n
         return budget
 
