@@ -113,7 +113,9 @@ class LLMEngine:
         ``caller``: who sent it, for fair shares (:mod:`pagedserve.core.sched.fairness`; "": not named).
 
         With ``params.structured_output``, the constraint is compiled on the grammar threads; until it is ready the
-        request waits outside the scheduler (a cached constraint is scheduled at once).
+        request waits outside the scheduler (a cached constraint is scheduled at once). With a reasoning parser
+        (``config.reasoning_parser``) the grammar starts only once the completion's reasoning has ended
+        (:class:`~pagedserve.reasoning.gate.ReasoningGate`).
 
         Raises:
             InvalidInputError: see :meth:`InputProcessor.generation`; a constraint already known to be bad (a
