@@ -218,6 +218,13 @@ def test_enable_thinking_false_reaches_the_template(qwen3):
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
     on = _chat(qwen3, chat_template_kwargs={"enable_thinking": True})
     assert on["usage"]["prompt_tokens"] + 4 == body["usage"]["prompt_tokens"]   # "<think>", "\n\n", "</think>", "\n\n"
+    rendered = {}
+    for flag in (True, False):
+        r = httpx.post(f"{qwen3.http_url}/tokenize", timeout=60, json={
+            "messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": flag}})
+        ids = r.json()["tokens"]
+        rendered[flag] = httpx.post(f"{qwen3.http_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert rendered[False] == rendered[True] + "<think>\n\n</think>\n\n"
     for bad, param in (("yes", "chat_template_kwargs"), ({"tools": []}, "chat_template_kwargs.tools")):
         r = httpx.post(f"{qwen3.http_url}/v1/chat/completions", timeout=60,
                        json={"messages": MESSAGES, "chat_template_kwargs": bad})

@@ -123,6 +123,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict | None = None  # vLLM: more chat template variables (messages)
 
 
 class DetokenizeRequest(_Body):
