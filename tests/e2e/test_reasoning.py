@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 
@@ -208,6 +209,10 @@ def test_grpc_reasoning_text_usage_and_model_info(deepseek, qwen3, scripted_mode
         off = c.generate_text(messages=[("user", "x")], max_tokens=64, temperature=0,
                               chat_template_kwargs={"enable_thinking": False})
         assert (off.reasoning_text, off.text, off.usage.reasoning_tokens) == ("", ANSWER, 0)
+        with pytest.raises(grpc.RpcError) as info:
+            c.generate_text(messages=[("user", "x")], max_tokens=4, chat_template_kwargs={"tools": []})
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat_template_kwargs.tools" in info.value.details()
 
 
 def test_enable_thinking_false_reaches_the_template(qwen3):
@@ -242,3 +247,30 @@ def test_gpt_oss_channels(gpt_oss):
 
 def test_chains_are_consistent(scripted_model):
     successors(chains(scripted_model[1]))
+
+
+def test_speculative_drafts_across_the_end_tag_keep_the_grammar_after_the_reasoning(scripted_model):
+    """ngram drafts copied from the prompt run through ``</think>`` into prose: the gate lets the reasoning's
+    drafts through, checks those past the end tag against the JSON grammar and rolls back across the tag."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.builder import build_engine
+    from pagedserve.reasoning import get_parser, split_whole
+    from pagedserve.sampling_params import SamplingParams
+    from support import run_to_completion
+
+    path, tok = scripted_model
+    engine, _ = build_engine(EngineConfig(
+        model=path, device="cpu", dtype="float32", attention_backend="torch", quantization="none",
+        max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=16 << 20, reasoning_parser="deepseek_r1",
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, '
+                           '"prompt_lookup_min": 1}'))
+    try:
+        prompt = encode(tok, REASONING, "</think>", "\n\n", ANSWER, "\n", "<think>")   # the ngram source
+        engine.add_request("spec", prompt, SamplingParams(max_tokens=64, temperature=0.0,
+                                                          structured_output={"json_schema": json.dumps(SCHEMA)}))
+        _, _, text = run_to_completion(engine)["spec"][0]
+        reasoning, content = split_whole(get_parser("deepseek_r1"), text, "<think>")
+        assert reasoning == REASONING and json.loads(content)["answer"] in ("four", "five"), text
+        assert engine.drafter.num_accepted_tokens > 0   # drafts did run (through the reasoning)
+    finally:
+        engine.close()
