@@ -93,3 +93,11 @@ def test_multibyte_text_around_tags():
     text = "é思考🙂</think>答え🙂"
     for cut in range(len(text) + 1):
         assert _streamed(DS, "<think>", (text[:cut], text[cut:])) == ("é思考🙂", "答え🙂")
+
+
+def test_the_flag_takes_the_parser_names_only():
+    from pagedserve.config import EngineConfig
+
+    assert EngineConfig(reasoning_parser="qwen3").reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        EngineConfig(reasoning_parser="r1")
