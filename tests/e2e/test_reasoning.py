@@ -152,6 +152,12 @@ def test_think_tags_split_non_streamed_and_streamed(parser, request, scripted_mo
     assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == expected
 
 
+def test_cut_inside_the_reasoning_is_all_reasoning(deepseek, scripted_model):
+    choice = _chat(deepseek, max_tokens=5)["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] == scripted_model[1].decode(encode(scripted_model[1], REASONING)[:5])
+
+
 def test_include_reasoning_false_drops_it_but_counts_it(deepseek, scripted_model):
     body = _chat(deepseek, include_reasoning=False)
     message = body["choices"][0]["message"]

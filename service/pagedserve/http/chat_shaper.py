@@ -6,9 +6,9 @@ delta (text held back by the tool or reasoning parser, or an incomplete UTF-8 ch
 the one carrying ``finish_reason``.
 
 With ``--reasoning-parser``: the message's ``reasoning_content`` and ``reasoning`` (vLLM's older and newer names,
-the same text; null when the choice produced none) and the stream's ``delta.reasoning_content`` /
-``delta.reasoning``; the content and its tool calls are the text after the reasoning. ``usage`` then has
-``completion_tokens_details.reasoning_tokens`` (OpenAI's name)."""
+the same text; null when the choice produced none; ``content`` null when it ended inside its reasoning) and the
+stream's ``delta.reasoning_content`` / ``delta.reasoning``; the content and its tool calls are the text after the
+reasoning. ``usage`` then has ``completion_tokens_details.reasoning_tokens`` (OpenAI's name)."""
 from __future__ import annotations
 
 from ..serving.pipeline import ChoiceDelta, UsageTotal
@@ -92,6 +92,8 @@ class ChatShaper:
         choices = []
         for _, c in sorted(self._choices.items()):
             content, calls = whole_message(self.plan, "".join(c["text"]))
+            if self.reasoning_usage and c["reasoning"] is not None and not content:
+                content = None   # as vLLM: a choice cut inside its reasoning has no content
             message = {"role": "assistant", "content": content}
             if self.reasoning:
                 message["reasoning_content"] = message["reasoning"] = c["reasoning"]
