@@ -12,7 +12,8 @@ from pagedserve.config import REASONING_PARSERS
 from pagedserve.reasoning import PARSERS, get_parser, split_whole
 
 DS, QW, GO = "deepseek_r1", "qwen3", "gpt_oss"
-HARMONY = "<|channel|>analysis<|message|>a<b and </t> c<|end|><|start|>assistant<|channel|>final<|message|>Answer: 4<|return|>"
+HARMONY = ("<|channel|>analysis<|message|>a<b and </t> c<|end|><|start|>assistant<|channel|>final<|message|>"
+           "Answer: 4<|return|>")
 CASES = [
     # parser, prompt tail, generated text, (reasoning, content)
     (DS, "<|Assistant|><think>\n", "Let me see.</think>The answer", ("Let me see.", "The answer")),
