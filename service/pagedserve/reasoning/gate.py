@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from ..config_speculative import MAX_SPECULATIVE_TOKENS
 from .splitter import Parser, ReasoningSplitter
+
+_KEPT = MAX_SPECULATIVE_TOKENS + 1   # splitter snapshots kept: a rollback never goes back further (drafts)
 
 
 class TokenTexts:
@@ -78,6 +81,8 @@ class ReasoningGate:
             self.inner.accept(token_id)
         else:
             self._free.append(self._splitter.snapshot())
+            if len(self._free) > 2 * _KEPT:
+                del self._free[:-_KEPT]
             self._splitter.feed(self._texts(token_id))
             self._ended = self._splitter.reasoning_ended
         self.num_tokens += 1
@@ -87,14 +92,17 @@ class ReasoningGate:
         return self._ended and self.inner.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
-        """Forget the last ``num_tokens`` accepted tokens (drafts); the splitter goes back to where it was before
-        the first reasoning token forgotten. Raises RuntimeError when the grammar cannot roll back."""
+        """Forget the last ``num_tokens`` accepted tokens (drafts, at most ``MAX_SPECULATIVE_TOKENS``); the splitter
+        goes back to where it was before the first reasoning token forgotten. Raises RuntimeError when the grammar
+        cannot roll back, or further back than the snapshots kept."""
         if not num_tokens:
             return
         grammar_n = min(num_tokens, self.inner.num_tokens)
         self.inner.rollback(grammar_n)
         rest = num_tokens - grammar_n
         if rest:
+            if rest > len(self._free):
+                raise RuntimeError(f"reasoning rollback of {rest} tokens: only {len(self._free)} kept")
             self._splitter.restore(self._free[-rest])
             del self._free[-rest:]
             self._ended = self._splitter.reasoning_ended
