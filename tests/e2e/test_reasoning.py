@@ -197,6 +197,22 @@ def test_tool_call_after_reasoning_is_parsed_from_the_content_only(deepseek):
     assert "lookup" in _joined(chunks, "reasoning_content")
 
 
+def test_required_tool_choice_grammar_starts_after_the_reasoning(deepseek):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}}]   # bounded: the scripted model takes the lowest allowed token
+    choice = _chat(deepseek, tools=tools, tool_choice="required", parallel_tool_calls=False)["choices"][0]
+    assert choice["message"]["reasoning_content"] == REASONING
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "Oslo"})]
+
+
+def test_a_prompt_that_closed_the_reasoning_is_constrained_from_the_first_token(qwen3):
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    message = _chat(qwen3, response_format=fmt, chat_template_kwargs={"enable_thinking": False})["choices"][0]["message"]
+    assert message["reasoning_content"] is None and json.loads(message["content"])["answer"] in ("four", "five")
+
+
 def test_grpc_reasoning_text_usage_and_model_info(deepseek, qwen3, scripted_model):
     from pagedserve_client import PagedServeClient
     from pagedserve_client.v1 import inference_pb2 as pb
