@@ -5,10 +5,13 @@ write it) behind chat templates that emit think tags, one server per parser:
 - deepseek_r1: the template ends with ``<think>``; the model writes the reasoning, ``</think>`` and the answer.
   Non-streamed and streamed split, ``reasoning_tokens``, ``include_reasoning: false``, a JSON schema after the
   reasoning (valid JSON content while the reasoning is free text), a tool call after a reasoning that itself
-  shows a ``<tool_call>`` (parsed from the content only), and gRPC ``reasoning_text`` / ``GetModelInfo``.
+  shows a ``<tool_call>`` (parsed from the content only), a required tool choice's grammar after the reasoning,
+  a choice cut inside its reasoning, and gRPC ``reasoning_text`` / ``Usage.reasoning_tokens`` / ``GetModelInfo``.
 - qwen3: the model writes ``<think>...</think>``; ``chat_template_kwargs: {"enable_thinking": false}`` reaches the
-  template, which then closes the reasoning in the prompt, and the answer is all content (HTTP and gRPC).
+  template, which then closes the reasoning in the prompt, and the answer is all content (HTTP and gRPC); a JSON
+  schema then holds the text from its first token.
 - gpt_oss: harmony channels as text (analysis -> reasoning, final -> content; the final text held to a regex).
+- the engine alone: ngram drafts running through ``</think>`` under a JSON schema (rollback across the tag).
 """
 from __future__ import annotations
 
