@@ -9,6 +9,10 @@ the usage so far; it logs each request and records its metrics. Leaving the stre
 what still runs, which frees its KV blocks. The request carries the caller's field names (``request.fields``):
 :func:`~.caller_errors.caller_error` with them tells any error of the request as the caller spelled the field.
 
+With the server's --reasoning-parser and ``request.reasoning`` (chat, gRPC), each choice's text is split into
+reasoning and content first (:mod:`.reasoning`); the tool parser reads the content only, and the usage counts the
+reasoning's tokens.
+
 The front ends only translate: wire request -> :class:`GenerationRequest`, :class:`ChoiceDelta` -> wire message.
 """
 from __future__ import annotations
