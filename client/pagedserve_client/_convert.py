@@ -28,7 +28,8 @@ class GenerationResult(NamedTuple):
 
     text: str  # the whole completion text (deltas joined)
     finish_reason: str  # FinishReason name without prefix: "STOP", "LENGTH" or "ABORT"
-    usage: pb.Usage  # prompt_tokens, completion_tokens, cached_prompt_tokens of the request
+    usage: pb.Usage  # prompt_tokens, completion_tokens, cached_prompt_tokens (and reasoning_tokens) of the request
+    reasoning_text: str = ""  # with the server's --reasoning-parser: the thinking (text is then the answer only)
 
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -227,6 +228,8 @@ def generate_request(
     tools: Iterable[Mapping[str, Any] | pb.Tool] | None = None,
     tool_choice: str | Mapping[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    include_reasoning: bool | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """Build a GenerateRequest with exactly one input (prompt | prompt_token_ids | messages).
@@ -234,7 +237,9 @@ def generate_request(
     `sampling` takes the keyword arguments of sampling_params(). `beam_search`: the BeamSearchParams fields
     (beam_width, length_penalty, early_stopping) to run beam search. `tools` / `tool_choice` /
     `parallel_tool_calls` take OpenAI's shapes (see tool(), tool_choice_message()). Raises ValueError unless exactly
-    one input is given, TypeError for an unknown sampling keyword.
+    one input is given, TypeError for an unknown sampling keyword. `chat_template_kwargs`: more chat template
+    variables for a messages input (e.g. ``{"enable_thinking": False}``); `include_reasoning`: False leaves
+    reasoning_text out (a server with --reasoning-parser).
     """
     given = [name for name, value in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
                                       ("messages", messages)) if value is not None]
@@ -249,6 +254,10 @@ def generate_request(
         request.tool_choice.CopyFrom(tool_choice_message(tool_choice))
     if parallel_tool_calls is not None:
         request.parallel_tool_calls = parallel_tool_calls
+    if chat_template_kwargs is not None:
+        request.chat_template_kwargs.update(dict(chat_template_kwargs))
+    if include_reasoning is not None:
+        request.include_reasoning = include_reasoning
     if prompt is not None:
         request.prompt = prompt
     elif prompt_token_ids is not None:
@@ -330,6 +339,7 @@ class TextAccumulator:
 
     def __init__(self) -> None:
         self._parts: list[str] = []
+        self._reasoning: list[str] = []
         self._finish_reason = pb.FINISH_REASON_UNSPECIFIED
         self._usage = pb.Usage()
 
@@ -338,14 +348,16 @@ class TextAccumulator:
         if response.index != 0:
             raise ValueError(f"generate_text() handles n == 1 only; got completion index {response.index}")
         self._parts.append(response.text)
+        self._reasoning.append(response.reasoning_text)
         if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish_reason = response.finish_reason
         if response.HasField("usage"):
             self._usage.CopyFrom(response.usage)
 
     def result(self) -> GenerationResult:
-        """The joined text, the finish reason name and the usage seen so far."""
-        return GenerationResult("".join(self._parts), finish_reason_name(self._finish_reason), self._usage)
+        """The joined text, the finish reason name, the usage seen so far and the joined reasoning text."""
+        return GenerationResult("".join(self._parts), finish_reason_name(self._finish_reason), self._usage,
+                                "".join(self._reasoning))
 
 
 def check_single_completion(sampling: Mapping[str, Any]) -> None:

@@ -69,7 +69,7 @@ class AsyncPagedServeClient:
     async def generate_text(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                             messages: Iterable[Message] | None = None, timeout: float | None = _UNSET,
                             **kwargs: Any) -> GenerationResult:
-        """Run generate() to the end for one completion: (text, finish_reason name, usage)."""
+        """Run generate() to the end for one completion: (text, finish_reason name, usage, reasoning_text)."""
         _convert.check_single_completion(kwargs)
         acc = _convert.TextAccumulator()
         async for response in self.generate(prompt, prompt_token_ids=prompt_token_ids, messages=messages,

@@ -75,7 +75,7 @@ class PagedServeClient:
     def generate_text(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                       messages: Iterable[Message] | None = None, timeout: float | None = _UNSET,
                       **kwargs: Any) -> GenerationResult:
-        """Run generate() to the end for one completion: (text, finish_reason name, usage).
+        """Run generate() to the end for one completion: (text, finish_reason name, usage, reasoning_text).
 
         Raises ValueError when n > 1 is asked for, grpc.RpcError on failure.
         """

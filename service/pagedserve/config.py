@@ -21,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LINEAR_KERNELS = ("auto", "int8-activations", "float-activations", "torch")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # pagedserve.tool_calls.PARSERS' names (a test keeps them equal)
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss")  # pagedserve.reasoning.PARSERS' names (a test too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,10 @@ class EngineConfig:
             sizes, compiled at warm-up), on CUDA as CUDA graphs of decode-only steps (batch sizes padded to fixed
             sizes, captured at warm-up; the cuda attention backend); None (default) captures CUDA graphs on CUDA
             and compiles on CPU only where it measured faster (see README "Compiled forward", "CUDA graphs").
+        reasoning_parser: how a reasoning model's thinking is read from its text (vLLM's --reasoning-parser):
+            "deepseek_r1" (up to ``</think>``), "qwen3" (``<think>...</think>`` first) or "gpt_oss" (harmony
+            ``analysis`` channel); chat responses carry it as ``reasoning_content``, and structured output and
+            tool calls apply to the rest only. None: off (the text is all content).
     """
 
     model: str | None = None
@@ -121,6 +126,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 60.0
     enforce_eager: bool | None = None
+    reasoning_parser: str | None = field(default=None, metadata={"choices": REASONING_PARSERS})
 
     def __post_init__(self) -> None:
         _check_choices(self)

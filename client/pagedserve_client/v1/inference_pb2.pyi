@@ -6,6 +6,7 @@ pagedserve inference API, v1. The contract is ../shared/API.md (design docs); th
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
@@ -550,6 +551,8 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    INCLUDE_REASONING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional; the server assigns a unique id when empty and echoes it in every response."""
     prompt: _builtins.str
@@ -560,6 +563,10 @@ class GenerateRequest(_message.Message):
     """Requests with different salts never share prefix-cache blocks."""
     parallel_tool_calls: _builtins.bool
     """With REQUIRED: allow more than one call. Default true."""
+    include_reasoning: _builtins.bool
+    """With the server's --reasoning-parser: false leaves reasoning_text empty (the tokens are still counted in
+    usage.reasoning_tokens). Default true.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> Global___TokenIds:
         """Token ids, used as is."""
@@ -584,6 +591,12 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def tool_choice(self) -> Global___ToolChoice: ...
+    @_builtins.property
+    def chat_template_kwargs(self) -> _struct_pb2.Struct:
+        """More variables for the chat template (messages input), e.g. {"enable_thinking": false} (vLLM's
+        chat_template_kwargs); a key the render sets itself (tools, add_generation_prompt, ...) is INVALID_ARGUMENT.
+        """
+
     def __init__(
         self,
         *,
@@ -598,15 +611,21 @@ class GenerateRequest(_message.Message):
         tools: _abc.Iterable[Global___Tool] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        chat_template_kwargs: _struct_pb2.Struct | None = ...,
+        include_reasoning: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "beam_search", b"beam_search", "input", b"input", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_include_reasoning", b"_include_reasoning", "_parallel_tool_calls", b"_parallel_tool_calls", "beam_search", b"beam_search", "chat_template_kwargs", b"chat_template_kwargs", "include_reasoning", b"include_reasoning", "input", b"input", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "beam_search", b"beam_search", "cache_salt", b"cache_salt", "input", b"input", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_include_reasoning", b"_include_reasoning", "_parallel_tool_calls", b"_parallel_tool_calls", "beam_search", b"beam_search", "cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "include_reasoning", b"include_reasoning", "input", b"input", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__include_reasoning: _TypeAlias = _typing.Literal["include_reasoning"]  # noqa: Y015
+    _WhichOneofArgType__include_reasoning: _TypeAlias = _typing.Literal["_include_reasoning", b"_include_reasoning"]  # noqa: Y015
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "prompt_token_ids", "messages"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__include_reasoning) -> _WhichOneofReturnType__include_reasoning | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
     @_typing.overload
@@ -725,20 +744,24 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     cached_prompt_tokens: _builtins.int
     """Prompt tokens served from the prefix cache."""
+    reasoning_tokens: _builtins.int
+    """With the server's --reasoning-parser: completion tokens of the reasoning part (the end tag's included)."""
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        reasoning_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -760,6 +783,7 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_TEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     index: _builtins.int
     """Which of the n completions this message belongs to."""
@@ -771,6 +795,10 @@ class GenerateResponse(_message.Message):
     matched_stop_token_id: _builtins.int
     cumulative_logprob: _builtins.float
     """Beam search: the completion's summed token logprobs (its score is this / tokens ** length_penalty)."""
+    reasoning_text: _builtins.str
+    """With the server's --reasoning-parser: new reasoning text since this completion's previous message (the
+    thinking between the model's tags); `text` then carries only the content after it.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """New token ids since this completion's previous message."""
@@ -806,10 +834,11 @@ class GenerateResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         cumulative_logprob: _builtins.float | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+        reasoning_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cumulative_logprob", b"_cumulative_logprob", "cumulative_logprob", b"cumulative_logprob", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cumulative_logprob", b"_cumulative_logprob", "cumulative_logprob", b"cumulative_logprob", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cumulative_logprob", b"_cumulative_logprob", "cumulative_logprob", b"cumulative_logprob", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "matched_stop_str", b"matched_stop_str", "matched_stop_token_id", b"matched_stop_token_id", "prompt_logprobs", b"prompt_logprobs", "reasoning_text", b"reasoning_text", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cumulative_logprob: _TypeAlias = _typing.Literal["cumulative_logprob"]  # noqa: Y015
     _WhichOneofArgType__cumulative_logprob: _TypeAlias = _typing.Literal["_cumulative_logprob", b"_cumulative_logprob"]  # noqa: Y015
@@ -1097,6 +1126,7 @@ class GenerationModelInfo(_message.Message):
     SLIDING_WINDOWS_FIELD_NUMBER: _builtins.int
     NUM_EXPERTS_FIELD_NUMBER: _builtins.int
     NUM_EXPERTS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    REASONING_PARSER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name or path given to --model."""
     architecture: _builtins.str
@@ -1137,6 +1167,8 @@ class GenerationModelInfo(_message.Message):
     num_experts: _builtins.int
     """Mixture of experts: experts per MoE layer and experts each token is routed to (both 0 for a dense model)."""
     num_experts_per_token: _builtins.int
+    reasoning_parser: _builtins.str
+    """The server's --reasoning-parser ("deepseek_r1", "qwen3", "gpt_oss"); empty when off."""
     @_builtins.property
     def sliding_windows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per layer, its sliding window in tokens (0: full attention); empty when every layer attends to the whole
@@ -1167,10 +1199,11 @@ class GenerationModelInfo(_message.Message):
         sliding_windows: _abc.Iterable[_builtins.int] | None = ...,
         num_experts: _builtins.int = ...,
         num_experts_per_token: _builtins.int = ...,
+        reasoning_parser: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "head_dim", b"head_dim", "kv_block_bytes", b"kv_block_bytes", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_experts", b"num_experts", "num_experts_per_token", b"num_experts_per_token", "num_kv_blocks", b"num_kv_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "sliding_windows", b"sliding_windows", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "head_dim", b"head_dim", "kv_block_bytes", b"kv_block_bytes", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_experts", b"num_experts", "num_experts_per_token", b"num_experts_per_token", "num_kv_blocks", b"num_kv_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "reasoning_parser", b"reasoning_parser", "sliding_windows", b"sliding_windows", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

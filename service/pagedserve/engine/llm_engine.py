@@ -21,6 +21,8 @@ from ..core.sched.stop import OutputText
 from ..errors import DuplicateRequestError, QueueFullError
 from ..executor.base import Executor
 from ..outputs import CompletionDelta
+from ..reasoning import get_parser
+from ..reasoning.gate import ReasoningGate, TokenTexts
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..structured_output.manager import StructuredOutputManager
@@ -70,6 +72,9 @@ class LLMEngine:
         self.outputs = OutputProcessor()
         self.structured = StructuredOutputManager(tokenizer, eos_token_ids)  # compiles off this thread
         self.beams = BeamGroups(self.scheduler, self._detokenizer, max_model_len)
+        # --reasoning-parser: a grammar starts once the reasoning has ended (reasoning/gate.py)
+        self.reasoning = get_parser(config.reasoning_parser) if config.reasoning_parser else None
+        self._token_texts = TokenTexts(tokenizer) if self.reasoning is not None else None
         self.num_steps = 0
 
     @property
@@ -108,7 +113,9 @@ class LLMEngine:
         ``caller``: who sent it, for fair shares (:mod:`pagedserve.core.sched.fairness`; "": not named).
 
         With ``params.structured_output``, the constraint is compiled on the grammar threads; until it is ready the
-        request waits outside the scheduler (a cached constraint is scheduled at once).
+        request waits outside the scheduler (a cached constraint is scheduled at once). With a reasoning parser
+        (``config.reasoning_parser``) the grammar starts only once the completion's reasoning has ended
+        (:class:`~pagedserve.reasoning.gate.ReasoningGate`).
 
         Raises:
             InvalidInputError: see :meth:`InputProcessor.generation`; a constraint already known to be bad (a
@@ -180,8 +187,11 @@ class LLMEngine:
     def _schedule_group(self, group: RequestGroup, compiled=None) -> None:
         """Queue a group (``compiled``: its CompiledGrammar, from which each completion gets its own matcher)."""
         if compiled is not None:
+            tail = self.tokenizer.decode(group.children[0].prompt_token_ids[-16:]) if self.reasoning else ""
             for child in group.children:
                 child.grammar = compiled.new_matcher()
+                if self.reasoning is not None:
+                    child.grammar = ReasoningGate(child.grammar, self.reasoning, tail, self._token_texts)
         self.scheduler.add_group(group.children)
 
     def _admit_compiled(self) -> list[CompletionDelta]:

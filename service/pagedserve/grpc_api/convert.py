@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from pagedserve_client.v1 import inference_pb2 as pb
@@ -15,7 +16,7 @@ from ..errors import InvalidInputError
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from ..serving.generation import GenerateCall
 from ..serving.pipeline import ChoiceDelta, GenerationRequest
-from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt, check_template_kwargs
 from .tool_convert import tool_plan_from_proto
 
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -110,7 +111,8 @@ def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:
     """The request's prompt (``prompt`` is tokenized as is, with the tokenizer's special tokens).
 
     Raises:
-        InvalidInputError: no input set (field ``input``), no chat messages.
+        InvalidInputError: no input set (field ``input``), no chat messages, a ``chat_template_kwargs`` key the
+            render sets itself (``chat_template_kwargs.<key>``).
     """
     which = req.WhichOneof("input")
     if which == "prompt":
@@ -118,7 +120,10 @@ def prompt_from_proto(req: pb.GenerateRequest) -> Prompt:
     if which == "prompt_token_ids":
         return TokenPrompt(tuple(req.prompt_token_ids.ids))
     if which == "messages":
-        return ChatPrompt(messages_from_proto(req.messages, "messages"))
+        kwargs = None
+        if req.HasField("chat_template_kwargs"):
+            kwargs = check_template_kwargs(json_format.MessageToDict(req.chat_template_kwargs))
+        return ChatPrompt(messages_from_proto(req.messages, "messages"), template_kwargs=kwargs)
     raise InvalidInputError("exactly one of prompt, prompt_token_ids or messages is required", "input")
 
 
@@ -131,11 +136,15 @@ def generate_call_from_proto(req: pb.GenerateRequest, deadline: float | None = N
 
 
 def generation_request_from_proto(req: pb.GenerateRequest, auto_tool_parser: str | None,
-                                  deadline: float | None = None, caller: str = "") -> GenerationRequest:
-    """The pipeline request of a GenerateRequest: its one call and its tool plan (the gRPC API's field names are
-    the engine's). Raises InvalidInputError naming the field."""
+                                  deadline: float | None = None, caller: str = "",
+                                  reasoning: bool = False) -> GenerationRequest:
+    """The pipeline request of a GenerateRequest: its one call, its tool plan and, with ``reasoning`` (the server
+    has a --reasoning-parser), the reasoning split of every input kind (``include_reasoning`` default true). The
+    gRPC API's field names are the engine's. Raises InvalidInputError naming the field."""
     plan = tool_plan_from_proto(req, auto_tool_parser)
-    return GenerationRequest((generate_call_from_proto(req, deadline, caller),), plan)
+    include = req.include_reasoning if req.HasField("include_reasoning") else True
+    return GenerationRequest((generate_call_from_proto(req, deadline, caller),), plan, reasoning=reasoning,
+                             include_reasoning=include)
 
 
 def tokenize_prompt_from_proto(req: pb.TokenizeRequest) -> Prompt:
@@ -166,12 +175,13 @@ def _logprob_entries(lps, tokenizer) -> list[pb.TokenLogprob]:
     return out
 
 
-def choice_to_proto(choice: ChoiceDelta, tokenizer) -> pb.GenerateResponse:
-    """A GenerateResponse from one pipeline delta: the choice's content as ``text``, its tool-call pieces as
-    ``tool_calls``, its finish reason (FINISH_REASON_TOOL_CALLS for a choice that called tools and stopped)."""
+def choice_to_proto(choice: ChoiceDelta, tokenizer, reasoning_tokens: int = 0) -> pb.GenerateResponse:
+    """A GenerateResponse from one pipeline delta: the choice's content as ``text``, its reasoning as
+    ``reasoning_text``, its tool-call pieces as ``tool_calls``, its finish reason (FINISH_REASON_TOOL_CALLS for a
+    choice that called tools and stopped); ``reasoning_tokens``: the request's so far (for ``usage``)."""
     d = choice.delta
     msg = pb.GenerateResponse(request_id=d.request_id, index=d.index, text=choice.content, token_ids=d.token_ids,
-                              finish_reason=_FINISH[choice.finish_reason])
+                              finish_reason=_FINISH[choice.finish_reason], reasoning_text=choice.reasoning or "")
     for c in choice.tool_calls:
         fn = c["function"]
         msg.tool_calls.add(index=c["index"], id=c.get("id", ""), name=fn.get("name", ""),
@@ -188,7 +198,8 @@ def choice_to_proto(choice: ChoiceDelta, tokenizer) -> pb.GenerateResponse:
         msg.cumulative_logprob = d.cumulative_logprob
     if d.usage is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=d.usage.prompt_tokens, completion_tokens=d.usage.completion_tokens,
-                                    cached_prompt_tokens=d.usage.cached_prompt_tokens))
+                                    cached_prompt_tokens=d.usage.cached_prompt_tokens,
+                                    reasoning_tokens=reasoning_tokens))
     return msg
 
 

@@ -34,10 +34,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         caller = self.callers(dict(context.invocation_metadata() or ())) if self.callers else ""
         stream = await open_generation(generation, convert.generation_request_from_proto(
-            request, self.auto_tool_parser, deadline, caller), current_call_trace())
+            request, self.auto_tool_parser, deadline, caller, generation.reasoning is not None),
+            current_call_trace())
         try:
             async for choice in stream:
-                yield convert.choice_to_proto(choice, generation.tokenizer)
+                yield convert.choice_to_proto(choice, generation.tokenizer, stream.usage.reasoning_tokens)
         finally:
             await stream.close()
 
@@ -116,7 +117,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 tensor_parallel_size=info.tensor_parallel_size, compiled=info.compiled,
                 kv_cache_dtype=info.kv_cache_dtype, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
                 head_dim=info.head_dim, sliding_windows=info.sliding_windows, num_experts=info.num_experts,
-                num_experts_per_token=info.num_experts_per_token))
+                num_experts_per_token=info.num_experts_per_token,
+                reasoning_parser=getattr(generation, "reasoning_parser", None) or ""))
             fields = pb.KVCacheStats.DESCRIPTOR.fields_by_name  # (the engine's stats hold more, e.g. spec decode)
             resp.kv_cache.CopyFrom(pb.KVCacheStats(**{k: v for k, v in generation.kv_cache_stats().items()
                                                       if k in fields}))

@@ -182,8 +182,9 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
         if (body.prompt is None) == (body.messages is None):
             raise errors.OpenAIError(400, "exactly one of prompt or messages is required", param="prompt")
         if body.messages is not None:
-            chat = cv.chat_prompt(ChatCompletionRequest(messages=body.messages))
-            prompt = ChatPrompt(chat.messages, body.add_generation_prompt)
+            chat = cv.chat_prompt(ChatCompletionRequest(messages=body.messages,
+                                                        chat_template_kwargs=body.chat_template_kwargs))
+            prompt = ChatPrompt(chat.messages, body.add_generation_prompt, template_kwargs=chat.template_kwargs)
         else:
             prompt = TextPrompt(body.prompt, body.add_special_tokens)
         ids, strs = await generation.tokenize(prompt)

@@ -2,8 +2,13 @@
 tool calls: a choice's text is read for calls by the request pipeline (:mod:`pagedserve.serving.tools`), so the
 message carries ``tool_calls`` and the stream sends their deltas; a choice that called tools and stopped finishes
 with ``"tool_calls"`` (one cut by ``max_tokens`` keeps ``"length"``). A streamed step that adds nothing to the
-delta (text held back by the tool parser or an incomplete UTF-8 character) sends no chunk, except the one carrying
-``finish_reason``."""
+delta (text held back by the tool or reasoning parser, or an incomplete UTF-8 character) sends no chunk, except
+the one carrying ``finish_reason``.
+
+With ``--reasoning-parser``: the message's ``reasoning_content`` and ``reasoning`` (vLLM's older and newer names,
+the same text; null when the choice produced none; ``content`` null when it ended inside its reasoning) and the
+stream's ``delta.reasoning_content`` / ``delta.reasoning``; the content and its tool calls are the text after the
+reasoning. ``usage`` then has ``completion_tokens_details.reasoning_tokens`` (OpenAI's name)."""
 from __future__ import annotations
 
 from ..serving.pipeline import ChoiceDelta, UsageTotal
@@ -21,11 +26,15 @@ class ChatShaper:
         logprobs: the request asked for logprobs.
         plan: the request's tools (None: none); a whole response reads the text for tool calls here (a stream's
             deltas come read by the pipeline).
+        reasoning: the responses carry the reasoning fields (a reasoning parser, and ``include_reasoning``).
+        reasoning_usage: ``usage`` carries the reasoning token count (a reasoning parser).
     """
 
-    def __init__(self, rid: str, model: str, text: cv.TokenText, logprobs: bool, plan: ToolPlan | None):
+    def __init__(self, rid: str, model: str, text: cv.TokenText, logprobs: bool, plan: ToolPlan | None,
+                 reasoning: bool = False, reasoning_usage: bool = False):
         self.rid, self.model, self.text, self.logprobs = rid, model, text, logprobs
         self.plan = plan
+        self.reasoning, self.reasoning_usage = reasoning, reasoning_usage
         self.created = cv.now_s()
         self._started: set[int] = set()
         self._choices: dict[int, dict] = {}
@@ -39,7 +48,7 @@ class ChatShaper:
 
     def usage(self, total: UsageTotal) -> dict:
         """OpenAI's ``usage`` of the request so far."""
-        return cv.usage_dict(total)
+        return cv.usage_dict(total, reasoning=self.reasoning_usage)
 
     def chunks(self, c: ChoiceDelta) -> list[dict]:
         d = c.delta
@@ -50,6 +59,8 @@ class ChatShaper:
                                      "logprobs": None, "finish_reason": None}]))
         if d.text or d.token_ids or d.finish_reason is not None:
             delta: dict = {"content": c.content} if c.content else {}
+            if self.reasoning and c.reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = c.reasoning
             if c.tool_calls:
                 delta["tool_calls"] = c.tool_calls
             logprobs = self.logprobs and bool(d.logprobs)
@@ -69,8 +80,10 @@ class ChatShaper:
     def add(self, c: ChoiceDelta) -> None:
         d = c.delta
         choice = self._choices.setdefault(c.index, {"index": c.index, "text": [], "lps": [], "finish": None,
-                                                    "stop": None})
-        choice["text"].append(d.text)
+                                                    "stop": None, "reasoning": None})
+        choice["text"].append(c.content)
+        if c.reasoning is not None:
+            choice["reasoning"] = (choice["reasoning"] or "") + c.reasoning
         choice["lps"].extend(d.logprobs or [])
         if d.finish_reason is not None:
             choice["finish"], choice["stop"] = d.finish_reason, d.matched_stop
@@ -79,7 +92,11 @@ class ChatShaper:
         choices = []
         for _, c in sorted(self._choices.items()):
             content, calls = whole_message(self.plan, "".join(c["text"]))
+            if self.reasoning_usage and c["reasoning"] is not None and not content:
+                content = None   # as vLLM: a choice cut inside its reasoning has no content
             message = {"role": "assistant", "content": content}
+            if self.reasoning:
+                message["reasoning_content"] = message["reasoning"] = c["reasoning"]
             if calls is not None:
                 message["tool_calls"] = calls
             choices.append({"index": c["index"], "message": message,

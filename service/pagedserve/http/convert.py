@@ -11,7 +11,7 @@ from ..outputs import TokenLogprobs
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from ..serving.caller_errors import SAMPLING_PREFIX, FieldNames
 from ..serving.pipeline import UsageTotal
-from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from ..serving.prompts import ChatPrompt, Prompt, TextPrompt, TokenPrompt, check_template_kwargs
 from .errors import OpenAIError
 from .token_bytes import TokenBytes
 from .protocol import SAMPLING_BODY_FIELDS, UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
@@ -191,7 +191,14 @@ def embedding_fields(body) -> FieldNames:
 def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
     """The chat messages (and ``tools``) as a prompt; a content list keeps its text parts (joined), other parts are
     a 400. Assistant ``tool_calls`` keep their ids and names with the arguments parsed from their JSON text (chat
-    templates render them as objects, as in vLLM); a tool message keeps its ``tool_call_id``."""
+    templates render them as objects, as in vLLM); a tool message keeps its ``tool_call_id``; vLLM's
+    ``chat_template_kwargs`` become more template variables.
+
+    Raises:
+        InvalidInputError: ``chat_template_kwargs`` with a key the render sets itself (naming
+            ``chat_template_kwargs.<key>``).
+        OpenAIError: a content part that is not text, a malformed assistant tool call.
+    """
     messages = []
     for i, m in enumerate(body.messages):
         message = {"role": m.role, "content": _content_text(m.content, i) or ""}
@@ -204,7 +211,9 @@ def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
             message["tool_call_id"] = m.tool_call_id
         messages.append(message)
     tools = getattr(body, "tools", None)
-    return ChatPrompt(tuple(messages), body.add_generation_prompt, tools=tuple(tools) if tools else None)
+    kwargs = check_template_kwargs(getattr(body, "chat_template_kwargs", None))
+    return ChatPrompt(tuple(messages), body.add_generation_prompt, tools=tuple(tools) if tools else None,
+                      template_kwargs=kwargs)
 
 
 def _content_text(content, i: int) -> str | None:
@@ -247,12 +256,16 @@ def completion_prompts(prompt) -> list[Prompt]:
     raise InvalidInputError("must be a string, a list of strings, token ids, or lists of token ids", "prompt")
 
 
-def usage_dict(usage: UsageTotal, prompt_only: bool = False) -> dict:
-    """OpenAI's ``usage`` of a request's token counts (``prompt_only``: no completion tokens, the scoring path)."""
+def usage_dict(usage: UsageTotal, prompt_only: bool = False, reasoning: bool = False) -> dict:
+    """OpenAI's ``usage`` of a request's token counts (``prompt_only``: no completion tokens, the scoring path;
+    ``reasoning``: with ``completion_tokens_details.reasoning_tokens``, OpenAI's name for the reasoning's share)."""
     completion = 0 if prompt_only else usage.completion_tokens
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": usage.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": completion,
+           "total_tokens": usage.prompt_tokens + completion,
+           "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    if reasoning:
+        out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return out
 
 
 class TokenText:

@@ -109,10 +109,12 @@ class OpenAIServing:
         params = cv.sampling_params(body, max_tokens, k)
         call = GenerateCall(cv.chat_prompt(body), params, body.request_id, body.priority, body.cache_salt,
                             _deadline(body), self._caller(request))
-        stream = await open_generation(generation, GenerationRequest((call,), plan, fields, body.stream),
-                                       current_call_trace())
+        reasoning = generation.reasoning is not None
+        wanted = GenerationRequest((call,), plan, fields, body.stream, reasoning, body.include_reasoning)
+        stream = await open_generation(generation, wanted, current_call_trace())
         text = cv.TokenText(generation.tokenizer, body.return_tokens_as_token_ids)
-        shaper = ChatShaper(cv.new_id("chatcmpl"), model, text, k is not None, plan)
+        shaper = ChatShaper(cv.new_id("chatcmpl"), model, text, k is not None, plan,
+                            reasoning and body.include_reasoning, reasoning)
         return await _respond(stream, shaper, body, request)
 
     async def _completions(self, body: CompletionRequest, request: Request, fields: FieldNames):

@@ -96,6 +96,8 @@ class ChatCompletionRequest(_SamplingBody):
     tools: list[dict] | None = None      # [{"type": "function", "function": {"name", "description", "parameters"}}]
     tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # vLLM: more chat template variables, e.g. {"enable_thinking": false}
+    include_reasoning: bool = True       # vLLM: false leaves reasoning_content out (--reasoning-parser)
 
 
 class CompletionRequest(_SamplingBody):
@@ -121,6 +123,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict | None = None  # vLLM: more chat template variables (messages)
 
 
 class DetokenizeRequest(_Body):

@@ -90,7 +90,7 @@ class ServiceFactory:
         template = load_chat_template(self.server_config.chat_template)
         if self.server_config.enable_auto_tool_choice:
             warn_if_template_ignores_tools(template or getattr(front.tokenizer, "chat_template", None))
-        return GenerationService(front, info, metrics, served_name, template)
+        return GenerationService(front, info, metrics, served_name, template, self.engine_config.reasoning_parser)
 
     async def _embedding(self, generation: GenerationService | None) -> EmbeddingService:
         from ..embedding.decoder import LLMEmbedder, build_decoder_engine, decoder_embedding_config

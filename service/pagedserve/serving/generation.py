@@ -16,6 +16,7 @@ from ..engine.builder import EngineInfo
 from ..engine.input_processor import check_context_length
 from ..sampling_params import SamplingParams
 from ..errors import InvalidInputError
+from ..reasoning import get_parser
 from ..text_bounds import min_num_tokens
 from .metrics import ServerMetrics
 from . import limits
@@ -45,11 +46,17 @@ class GenerationService:
         metrics: the server's metrics; request metrics are recorded here.
         served_name: the metrics' ``model_name`` label (default: ``info.name``).
         chat_template: a Jinja template used for chat prompts instead of the model's (--chat-template).
+        reasoning_parser: the --reasoning-parser name (None: off); ``reasoning`` is its parser.
+
+    Raises:
+        ValueError: an unknown reasoning parser name.
     """
 
     def __init__(self, engine: AsyncEngine, info: EngineInfo, metrics: ServerMetrics, served_name: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, reasoning_parser: str | None = None):
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
+        self.reasoning = get_parser(reasoning_parser) if reasoning_parser else None
         self.info = info
         self.chat_template = chat_template
         self.served_name = served_name or info.name   # the model name callers use (and the metrics' label)

@@ -9,6 +9,10 @@ the usage so far; it logs each request and records its metrics. Leaving the stre
 what still runs, which frees its KV blocks. The request carries the caller's field names (``request.fields``):
 :func:`~.caller_errors.caller_error` with them tells any error of the request as the caller spelled the field.
 
+With the server's --reasoning-parser and ``request.reasoning`` (chat, gRPC), each choice's text is split into
+reasoning and content first (:mod:`.reasoning`); the tool parser reads the content only, and the usage counts the
+reasoning's tokens.
+
 The front ends only translate: wire request -> :class:`GenerationRequest`, :class:`ChoiceDelta` -> wire message.
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .caller_errors import ENGINE_NAMES, FieldNames
 from .call_trace import CallTrace
 from .generation import GenerateCall, GenerationService
 from .prompts import ChatPrompt
+from .reasoning import StreamedReasoning, prompt_tail
 from .tools import StreamedToolCalls, apply_tools, finish_reason, reads_tools
 
 log = structlog.get_logger(__name__)
@@ -40,6 +45,8 @@ class GenerationRequest:
     tools: ToolPlan | None = None      # the request's tools (None: none)
     fields: FieldNames = ENGINE_NAMES  # how the caller spells the fields errors name
     stream_tools: bool = True          # read each delta for tool calls (False: the caller reads the whole text)
+    reasoning: bool = False            # split each choice's reasoning (chat, with the server's --reasoning-parser)
+    include_reasoning: bool = True     # False: the reasoning text is dropped (still counted in usage)
 
 
 @dataclass(slots=True)
@@ -49,6 +56,7 @@ class UsageTotal:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    reasoning_tokens: int = 0          # completion tokens of the reasoning part (with a reasoning parser)
 
     def add(self, usage: Usage) -> None:
         """Count one engine request's final usage."""
@@ -67,6 +75,7 @@ class ChoiceDelta:
     content: str                       # the text to show: the delta's, less what the tool parser read as calls
     finish_reason: str | None          # the delta's; "tool_calls" for a choice that called tools and stopped
     tool_calls: list[dict] = field(default_factory=list)  # new tool-call pieces (index, id, type, function)
+    reasoning: str | None = None       # new reasoning text (None: this piece was not read as reasoning)
 
 
 async def open_generation(generation: GenerationService, request: GenerationRequest,
@@ -95,6 +104,7 @@ class GenerationStream:
         self.prompt_ids: list[list[int]] = []   # each call's prompt token ids, once open
         self._tools = StreamedToolCalls(request.tools) if request.stream_tools and reads_tools(request.tools) \
             else None
+        self._reasoning: StreamedReasoning | None = None   # set once the prompts are rendered
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._direct: AsyncIterator[CompletionDelta] | None = None   # one call: iterated in the caller's task
@@ -107,6 +117,10 @@ class GenerationStream:
             operation = "chat" if isinstance(calls[0].prompt, ChatPrompt) else "text_completion"
             self.trace.describe(operation, self.generation.served_name, calls[0].params)
         self.prompt_ids = [await self.generation.prepare(c) for c in calls]
+        parser = getattr(self.generation, "reasoning", None)
+        if self.request.reasoning and parser is not None:
+            tails = [prompt_tail(self.generation.tokenizer, ids) for ids in self.prompt_ids]
+            self._reasoning = StreamedReasoning(parser, tails, self.request.include_reasoning)
         if len(calls) == 1:
             self._direct = self._run(calls[0], self.prompt_ids[0])
         else:
@@ -147,10 +161,15 @@ class GenerationStream:
         index = prompt_index * self.n + d.index
         if d.finish_reason is not None and self.trace is not None:
             self._finish_reasons[index] = d.finish_reason
+        text, reasoning, final = d.text, None, d.finish_reason is not None
+        if self._reasoning is not None:
+            text, reasoning = self._reasoning.feed(index, prompt_index, text, len(d.token_ids), final)
+            self.usage.reasoning_tokens = self._reasoning.reasoning_tokens
         if self._tools is None:
-            return ChoiceDelta(index, prompt_index, d, d.text, d.finish_reason)
-        content, calls, called = self._tools.feed(index, d.text, d.finish_reason is not None)
-        return ChoiceDelta(index, prompt_index, d, content, finish_reason(d.finish_reason, called), calls)
+            return ChoiceDelta(index, prompt_index, d, text, d.finish_reason, reasoning=reasoning)
+        content, calls, called = self._tools.feed(index, text, final)
+        return ChoiceDelta(index, prompt_index, d, content, finish_reason(d.finish_reason, called), calls,
+                           reasoning)
 
     async def _next(self) -> tuple[int, CompletionDelta | None]:
         """The next (prompt index, delta); a delta of None: that call has ended."""

@@ -33,16 +33,42 @@ class ChatPrompt:
     add_generation_prompt: bool = True  # end with the assistant turn's opening (HF ``apply_chat_template``)
     field: str = "messages"
     tools: tuple[dict, ...] | None = None  # OpenAI tool objects, the template's ``tools`` variable
+    template_kwargs: dict | None = None  # more template variables (``chat_template_kwargs``, e.g. enable_thinking)
+    template_kwargs_field: str = "chat_template_kwargs"
 
 
 Prompt = TextPrompt | TokenPrompt | ChatPrompt
 
 
+# Arguments of HF ``apply_chat_template`` that a request's template variables may not replace.
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "tools", "chat_template",
+                                      "add_generation_prompt", "return_dict", "return_tensors", "tokenizer_kwargs",
+                                      "return_assistant_tokens_mask", "continue_final_message", "documents"})
+
+
+def check_template_kwargs(kwargs, field: str = "chat_template_kwargs") -> dict | None:
+    """A request's extra chat-template variables (vLLM's ``chat_template_kwargs``) as a dict (None: none).
+
+    Raises:
+        InvalidInputError: not an object (``field``), or a key that names an argument of the render itself
+            (``field.<key>``).
+    """
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise InvalidInputError(f"must be an object of template variables, got {type(kwargs).__name__}", field)
+    for key in kwargs:
+        if not isinstance(key, str) or key in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidInputError("is set by the request itself, not a template variable", f"{field}.{key}")
+    return dict(kwargs)
+
+
 def apply_chat_template(tokenizer, messages: list[dict], field: str, add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
+                        tools: list[dict] | None = None, chat_template: str | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
     """Render chat messages with the model's template (or ``chat_template``, the server's --chat-template) and
     tokenize (HF ``apply_chat_template`` semantics; ``tools`` is the template's ``tools`` variable, which a
-    template without one ignores).
+    template without one ignores; ``template_kwargs`` are more variables, e.g. Qwen3's ``enable_thinking``).
 
     Raises:
         InvalidInputError: no messages, no chat template, or the template rejected them (field ``field``).
@@ -53,7 +79,7 @@ def apply_chat_template(tokenizer, messages: list[dict], field: str, add_generat
         raise InvalidInputError("the model has no chat template; send a prompt or token ids instead", field)
     try:
         out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                            tools=tools, chat_template=chat_template)
+                                            tools=tools, chat_template=chat_template, **(template_kwargs or {}))
     except Exception as exc:  # jinja errors from bad roles or content
         raise InvalidInputError(f"the chat template rejected the messages: {exc}", field) from exc
     return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -72,7 +98,8 @@ def render_prompt(prompt: Prompt, tokenizer, chat_template: str | None = None) -
         return list(prompt.token_ids)
     if isinstance(prompt, ChatPrompt):
         return apply_chat_template(tokenizer, list(prompt.messages), prompt.field, prompt.add_generation_prompt,
-                                   list(prompt.tools) if prompt.tools else None, chat_template)
+                                   list(prompt.tools) if prompt.tools else None, chat_template,
+                                   check_template_kwargs(prompt.template_kwargs, prompt.template_kwargs_field))
     raise TypeError(f"not a prompt: {type(prompt).__name__}")
 
 
