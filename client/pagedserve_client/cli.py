@@ -1,6 +1,7 @@
 """`pagedserve-client`: command line client for a pagedserve server.
 
     pagedserve-client [--target HOST:PORT] [--timeout S] generate "prompt" [sampling flags] [--chat] [--json]
+        [--chat-template-kwargs JSON] [--[no-]include-reasoning]   (reasoning to stderr, content to stdout)
     pagedserve-client embed TEXT... [--no-normalize] [--truncate] [--dimensions K]
     pagedserve-client rerank --query Q TEXT... [--top-n N] [--return-text] [--truncate]
     pagedserve-client tokenize TEXT | detokenize ID... | info | health [--service S] | abort ID...
@@ -67,6 +68,13 @@ def _json_arg(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    value = _json_arg(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (unset flags leave the server default)")
     for field, (flag, kind) in SAMPLING_FLAGS.items():
@@ -110,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--priority", type=int, default=0, help="lower is served first")
     gen.add_argument("--cache-salt", default="")
     gen.add_argument("--json", action="store_true", help="print each response as a JSON line")
+    gen.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                     help='more chat template variables (with --chat), e.g. \'{"enable_thinking": false}\'')
+    gen.add_argument("--include-reasoning", action=argparse.BooleanOptionalAction, default=None,
+                     help="with a --reasoning-parser server: send the reasoning text (default) or drop it; "
+                          "reasoning is written to stderr, the content to stdout")
     _add_sampling_flags(gen)
 
     emb = sub.add_parser("embed", help="embed texts; prints JSON vectors")
@@ -210,9 +223,11 @@ def _run_generate(client: PagedServeClient, args: argparse.Namespace) -> int:
     if "logit_bias" in sampling:
         sampling["logit_bias"] = dict(sampling["logit_bias"])
     stream = client.generate(**_generate_inputs(args), request_id=args.request_id, priority=args.priority,
-                             cache_salt=args.cache_salt, **sampling)
+                             cache_salt=args.cache_salt, chat_template_kwargs=args.chat_template_kwargs,
+                             include_reasoning=args.include_reasoning, **sampling)
     multi = (args.n or 1) > 1
     texts: dict[int, list[str]] = {}
+    reasoning: dict[int, list[str]] = {}
     summary: list[str] = []
     usage = None
     try:
@@ -220,12 +235,19 @@ def _run_generate(client: PagedServeClient, args: argparse.Namespace) -> int:
             if args.json:
                 sys.stdout.write(json.dumps(_to_json(response), ensure_ascii=False) + "\n")
             elif not multi:
+                if response.reasoning_text:
+                    sys.stderr.write(response.reasoning_text)
+                    sys.stderr.flush()
                 sys.stdout.write(response.text)
             else:
                 texts.setdefault(response.index, []).append(response.text)
+                reasoning.setdefault(response.index, []).append(response.reasoning_text)
             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 summary.append(_finish_line(response, multi))
                 if multi and not args.json:
+                    thought = "".join(reasoning[response.index])
+                    if thought:
+                        sys.stderr.write(f"--- reasoning {response.index} ---\n{thought}\n")
                     sys.stdout.write(f"--- completion {response.index} ---\n{''.join(texts[response.index])}\n")
             if response.HasField("usage"):
                 usage = response.usage
@@ -238,7 +260,8 @@ def _run_generate(client: PagedServeClient, args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     if usage is not None:
         print(f"usage: prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens} "
-              f"cached_prompt_tokens={usage.cached_prompt_tokens}", file=sys.stderr)
+              f"cached_prompt_tokens={usage.cached_prompt_tokens} reasoning_tokens={usage.reasoning_tokens}",
+              file=sys.stderr)
     return 0
 
 

@@ -16,6 +16,7 @@ write it) behind chat templates that emit think tags, one server per parser:
 from __future__ import annotations
 
 import json
+import sys
 
 import grpc
 import httpx
@@ -299,3 +300,26 @@ def test_speculative_drafts_across_the_end_tag_keep_the_grammar_after_the_reason
         assert engine.drafter.num_accepted_tokens > 0   # drafts did run (through the reasoning)
     finally:
         engine.close()
+
+
+def test_cli_writes_reasoning_to_stderr_and_content_to_stdout(deepseek, qwen3, scripted_model):
+    import subprocess
+
+    from pagedserve_client import cli
+
+    def run(*argv) -> tuple[str, str]:   # a process of its own: the in-process servers log to this one's stdout
+        done = subprocess.run([sys.executable, "-m", "pagedserve_client.cli", *argv], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout, done.stderr
+
+    ask = ("generate", "--chat", "What is 2 + 2?", "--max-tokens", "64", "--temperature", "0")
+    out, err = run("--target", deepseek.target, *ask)
+    assert out == CONTENT and err.startswith(REASONING)
+    assert f"reasoning_tokens={_reasoning_token_count(scripted_model[1], True)}" in err
+    out, err = run("--target", deepseek.target, *ask, "--no-include-reasoning")
+    assert out == CONTENT and REASONING not in err
+    out, err = run("--target", qwen3.target, *ask, "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert out == ANSWER and "reasoning_tokens=0" in err
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "x", "--chat-template-kwargs", "[1]"])

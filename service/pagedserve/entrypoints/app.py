@@ -99,7 +99,8 @@ class App:
                           num_experts=info.num_experts or None,
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2),
                           deadline_scheduling=generation.engine.engine.config.deadline_scheduling,
-                          max_queue_time_s=generation.engine.engine.config.max_queue_time_s)
+                          max_queue_time_s=generation.engine.engine.config.max_queue_time_s,
+                          reasoning_parser=generation.engine.engine.config.reasoning_parser)
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)
         if self.services.rerank is not None:
