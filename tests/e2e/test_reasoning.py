@@ -231,6 +231,10 @@ def test_grpc_reasoning_text_usage_and_model_info(deepseek, qwen3, scripted_mode
         hidden = c.generate_text(messages=[("user", "x")], max_tokens=64, temperature=0, include_reasoning=False)
         assert (hidden.reasoning_text, hidden.text) == ("", CONTENT)
         assert c.stub.GetModelInfo(pb.GetModelInfoRequest()).generation.reasoning_parser == "deepseek_r1"
+    from structlog.testing import capture_logs
+    with capture_logs() as logs:
+        deepseek.app._log_summary(0.0)   # the ready line
+    assert [e["reasoning_parser"] for e in logs if e["event"] == "ready"] == ["deepseek_r1"]
     with PagedServeClient(qwen3.target, timeout_s=120) as c:
         off = c.generate_text(messages=[("user", "x")], max_tokens=64, temperature=0,
                               chat_template_kwargs={"enable_thinking": False})
