@@ -70,7 +70,7 @@ def test_quantized_weights_run_as_stored(case):
         assert model.quantization == "none"
         return
     assert "dequantized" not in model.quantization and "quantized at load" not in model.quantization
-    assert f"embedding Q8_0" in model.quantization if qtype == "Q8_0" else f"({qtype} as stored)" in model.quantization
+    assert "embedding Q8_0" in model.quantization if qtype == "Q8_0" else f"({qtype} as stored)" in model.quantization
     layers = [m for m in model.modules() if type(m).__name__.startswith("Streaming")]
     assert layers and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     moe = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
