@@ -6,6 +6,7 @@ Used by tests/models/test_gguf_families.py."""
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ CASES = {
     "qwen3moe-small-q4": ("qwen3moe", "qwen3-moe", dict(mlp_only_layers=[]), "Q4_0", "stored"),
     "phi3": ("phi3", "phi3", dict(partial_rotary_factor=1.0), "F32", "transformers"),
     "phi3-partial-q4": ("phi3", "phi3", {}, "Q4_0", "stored"),
+    # rope scaling stored as tensors: llama3's frequency divisors (rope_freqs), Phi-3's longrope factors
+    "llama3-rope-q8": ("llama", "llama3-rope", {}, "Q8_0", "stored"),
+    "phi3-longrope": ("phi3", "phi3-longrope", {}, "F32", "stored"),
     "gemma2": ("gemma2", "gemma2", dict(_GEMMA2, head_dim=256, query_pre_attn_scalar=256, sliding_window=24,
                                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0), "F32",
                "transformers"),
@@ -85,6 +89,29 @@ def gguf_tensors(model, arch: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def rope_tensors(cfg, arch: str) -> dict[str, np.ndarray]:
+    """The rope tensors llama.cpp's converter adds: llama3's per-frequency divisors (``rope_freqs``: 1 at short
+    wavelengths, ``factor`` at long ones, ``1 / ((1 - s) / factor + s)`` between) and longrope's factor lists."""
+    import math
+
+    rope = cfg.rope_parameters
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        original = rope["original_max_position_embeddings"]
+        out = []
+        for i in range(0, d, 2):
+            wavelen = 2 * math.pi * rope["rope_theta"] ** (i / d)
+            s = (original / wavelen - low) / (high - low)
+            out.append(1.0 if wavelen < original / high else factor if wavelen > original / low
+                       else 1 / ((1 - s) / factor + s))
+        return {"rope_freqs.weight": np.array(out, dtype=np.float32)}
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        return {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+                "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
+    return {}
+
+
 def _kept_float(name: str, t: torch.Tensor) -> bool:
     """What llama.cpp's converter keeps F32 whatever the file type: 1-D tensors and the MoE router."""
     return t.dim() == 1 or "ffn_gate_inp" in name
@@ -113,6 +140,10 @@ def _metadata(w, cfg, arch: str) -> None:
             w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_freq_base(rope["rope_theta"])
     if arch == "phi3":
+        if rope.get("rope_type") == "longrope":   # the cos/sin scale transformers computes for it
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+                cfg.original_max_position_embeddings)))
         w.add_rope_dimension_count(int(cfg.partial_rotary_factor * head_dim))
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
         w.add_sliding_window(cfg.sliding_window or 0)
@@ -159,7 +190,7 @@ def write_gguf(model, arch: str, path, qtype: str = "F32", extra=None, tensors=N
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
             a = dequantize(q, kind).reshape(a.shape)
         stored[name] = torch.from_numpy(np.array(a, dtype=np.float32))
-    for name, value in (tensors or {}).items():
+    for name, value in {**rope_tensors(model.config, arch), **(tensors or {})}.items():
         if isinstance(value, tuple):
             w.add_tensor(name, value[0], raw_shape=value[0].shape, raw_dtype=value[1])
         else:

@@ -51,7 +51,7 @@ def test_prefill_logits_match_the_oracle(case):
     from pagedserve.models.gguf_arch import GGUF_ARCHITECTURES
 
     assert cfg.architectures == [type(model).__name__] == [GGUF_ARCHITECTURES[CASES[label][0]].hf_architecture]
-    ids = random.Random(1).choices(range(2, 256), k=150)
+    ids = random.Random(1).choices(range(2, 256), k=min(150, model.max_exact_len or 150))   # longrope: 128
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     got = model.compute_logits(prefill_hidden(model, ids))
@@ -169,12 +169,25 @@ def test_config_field_refused(tmp_path, label, extra, message):
 
 
 def test_unknown_tensor_refused(tmp_path):
-    """llama.cpp's ``rope_freqs.weight`` (Llama 3.x rope factors) is not read: refused naming the tensor."""
+    """A tensor the architecture does not map (a fused QKV in a llama file) is refused naming it."""
     import numpy as np
 
-    path = _write(tmp_path, "llama", tensors={"rope_freqs.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(ValueError, match=r"^GGUF tensor 'rope_freqs.weight' is not supported for LlamaForCausalLM"):
+    path = _write(tmp_path, "llama", tensors={"blk.0.attn_qkv.weight": np.zeros((128, 64), dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"^GGUF tensor 'blk.0.attn_qkv.weight' is not supported for "
+                                         r"LlamaForCausalLM"):
         _load(path)
+
+
+def test_rope_freqs_other_than_llama3_refused(tmp_path):
+    """llama's ``rope_freqs.weight`` is read as a llama3 rope (tested in the ``llama3-rope`` case); divisors that
+    are no llama3 curve are refused naming the tensor."""
+    import numpy as np
+
+    from pagedserve.models.loader import ModelSource
+
+    path = _write(tmp_path, "llama", tensors={"rope_freqs.weight": np.array([1, 1, 3, 1, 2, 2, 5, 8], np.float32)})
+    with pytest.raises(ValueError, match=r"^rope_freqs.weight: the factors are not a llama3 rope curve"):
+        ModelSource.resolve(str(path)).load_config()
 
 
 def test_tensor_type_neither_kept_nor_readable_refused(tmp_path):

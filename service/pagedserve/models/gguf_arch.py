@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .gguf_rope import rope_from_tensors
+
 #: ``{arch}.*`` keys every architecture reads (gguf-py ``Keys.LLM`` / ``Keys.Attention`` / ``Keys.Rope``).
 _COMMON_KEYS = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length",
-    "attention.value_length", "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor"})
+    "attention.value_length", "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.finetuned"})   # finetuned: whether the scaled model was trained so; llama.cpp only reports it
 
 _ATTN = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
@@ -70,7 +73,8 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
                                  frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length",
                                             "expert_weights_norm"})),
     "phi3": GGUFArchitecture("Phi3ForCausalLM", "Phi3Config", _PHI3,
-                             frozenset({"attention.sliding_window", "rope.scaling.original_context_length"}),
+                             frozenset({"attention.sliding_window", "rope.scaling.original_context_length",
+                                        "rope.scaling.attn_factor"}),
                              head_dim_field=False),
     "gemma2": GGUFArchitecture("Gemma2ForCausalLM", "Gemma2Config", _GEMMA,
                                _SWA | {"attn_logit_softcapping", "final_logit_softcapping"}, norm_shift=1.0),
@@ -133,14 +137,15 @@ def _layer_types(hp: dict, arch: str, n: int) -> list[str]:
     return ["sliding_attention" if p and i % p < p - 1 else "full_attention" for i in range(n)]
 
 
-def config_kwargs(meta: dict, tensor_names: set[str]) -> tuple[GGUFArchitecture, dict]:
-    """The config class's keyword arguments from a GGUF file's ``meta`` (:func:`metadata`) and tensor names.
+def config_kwargs(meta: dict, tensors: dict) -> tuple[GGUFArchitecture, dict]:
+    """The config class's keyword arguments from a GGUF file's ``meta`` (:func:`metadata`) and its tensors (name ->
+    ``gguf.ReaderTensor``; only the rope tensors of :mod:`.gguf_rope` are read, the others by name and shape).
 
     Raises:
         ValueError: an unknown architecture; an ``{arch}.*`` key this module does not read; per-layer head counts;
             ``value_length`` != ``key_length``; a rope scaling type other than none/linear; rotary dimensions other
             than the head size (Phi-3: a partial rotary factor); a ``head_dim`` a config class without that field
-            cannot hold.
+            cannot hold; rope tensors that do not fit (:func:`.gguf_rope.rope_from_tensors`).
     """
     arch, spec = architecture_of_gguf(meta)
     hp = {k[len(arch) + 1:]: v for k, v in meta.items() if k.startswith(arch + ".")}
@@ -156,14 +161,15 @@ def config_kwargs(meta: dict, tensor_names: set[str]) -> tuple[GGUFArchitecture,
     if not spec.head_dim_field and head_dim != hidden // heads:
         raise _refuse(f"{arch}.attention.key_length", head_dim, f"{spec.config_class} has head_dim = "
                                                                 f"embedding_length / head_count ({hidden // heads})")
-    vocab = hp.get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or None
+    vocab = hp.get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or \
+        (int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else None)
     layers = _int(hp, "block_count", arch)
     kw = dict(architectures=[spec.hf_architecture], hidden_size=hidden, num_attention_heads=heads,
               num_key_value_heads=kv_heads, num_hidden_layers=layers,
               intermediate_size=_int(hp, "feed_forward_length", arch, 4 * hidden),
               max_position_embeddings=_int(hp, "context_length", arch),
               rms_norm_eps=float(hp["attention.layer_norm_rms_epsilon"]),
-              tie_word_embeddings="output.weight" not in tensor_names, rope_parameters=_rope(hp, arch))
+              tie_word_embeddings="output.weight" not in tensors, rope_parameters=_rope(hp, arch))
     if vocab is not None:
         kw["vocab_size"] = int(vocab)
     for ours, theirs in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
@@ -178,10 +184,11 @@ def config_kwargs(meta: dict, tensor_names: set[str]) -> tuple[GGUFArchitecture,
     elif rotary != head_dim:
         raise _refuse(f"{arch}.rope.dimension_count", rotary, f"partial rotary is not read for {arch} (head size "
                                                               f"{head_dim})")
+    kw["rope_parameters"] = rope_from_tensors(arch, hp, tensors, kw["rope_parameters"], head_dim, rotary)
     if arch in ("llama", "qwen3", "qwen3moe", "gemma2", "gemma3"):
-        kw["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
-        kw["mlp_bias"] = "blk.0.ffn_down.bias" in tensor_names
+        kw["mlp_bias"] = "blk.0.ffn_down.bias" in tensors
     if arch == "qwen3moe":   # llama.cpp's qwen3moe graph renormalizes the top-k unless the file says otherwise
         kw.update(num_experts=_int(hp, "expert_count", arch), num_experts_per_tok=_int(hp, "expert_used_count", arch),
                   moe_intermediate_size=_int(hp, "expert_feed_forward_length", arch),
@@ -216,5 +223,5 @@ def gguf_config(path: str):
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    spec, kw = config_kwargs(metadata(reader), {t.name for t in reader.tensors})
+    spec, kw = config_kwargs(metadata(reader), {t.name: t for t in reader.tensors})
     return getattr(transformers, spec.config_class)(**kw)

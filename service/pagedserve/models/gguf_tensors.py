@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .gguf_arch import GGUF_ARCHITECTURES, GGUFArchitecture, architecture_of_gguf, metadata
+from .gguf_rope import CONFIG_TENSORS
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -27,8 +28,8 @@ def gguf_to_hf_name(name: str, arch: GGUFArchitecture = GGUF_ARCHITECTURES["llam
     ``{e}`` for the expert index).
 
     Raises:
-        ValueError: for a tensor name ``arch`` does not map (llama's ``rope_freqs.weight`` too: its frequency
-            factors are not read).
+        ValueError: for a tensor name ``arch`` does not map (the rope tensors of :mod:`.gguf_rope` are read into
+            the config, not here).
     """
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
@@ -83,9 +84,11 @@ def iter_gguf(path: str, config, dtype: torch.dtype, keep_quantized: bool = Fals
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    _, arch = architecture_of_gguf(metadata(reader))
-    named = [(t, gguf_to_hf_name(t.name, arch)) for t in reader.tensors]
-    _check_types(reader.tensors, keep_quantized)
+    arch_name, arch = architecture_of_gguf(metadata(reader))
+    skip = CONFIG_TENSORS.get(arch_name, frozenset())   # rope factors: read into the config
+    tensors = [t for t in reader.tensors if t.name not in skip]
+    named = [(t, gguf_to_hf_name(t.name, arch)) for t in tensors]
+    _check_types(tensors, keep_quantized)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for t, name in named:
