@@ -93,8 +93,18 @@ def _refuse(key: str, value, why: str) -> ValueError:
 
 
 def metadata(reader) -> dict[str, object]:
-    """Every metadata key of a ``gguf.GGUFReader`` with its value (scalars, strings, lists)."""
-    return {k: f.contents() for k, f in reader.fields.items()}
+    """The metadata keys of a ``gguf.GGUFReader`` with their values (scalars, strings, lists), except the
+    tokenizer's arrays (vocabulary, merges, scores: the tokenizer reads them), of which ``<key>.count`` gives the
+    length."""
+    from gguf import GGUFValueType
+
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer.") and f.types and f.types[0] == GGUFValueType.ARRAY:
+            out[f"{key}.count"] = len(f.data)
+        else:
+            out[key] = f.contents()
+    return out
 
 
 def architecture_of_gguf(meta: dict) -> tuple[str, GGUFArchitecture]:
@@ -161,7 +171,7 @@ def config_kwargs(meta: dict, tensors: dict) -> tuple[GGUFArchitecture, dict]:
     if not spec.head_dim_field and head_dim != hidden // heads:
         raise _refuse(f"{arch}.attention.key_length", head_dim, f"{spec.config_class} has head_dim = "
                                                                 f"embedding_length / head_count ({hidden // heads})")
-    vocab = hp.get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or \
+    vocab = hp.get("vocab_size") or meta.get("tokenizer.ggml.tokens.count") or \
         (int(tensors["token_embd.weight"].shape[1]) if "token_embd.weight" in tensors else None)
     layers = _int(hp, "block_count", arch)
     kw = dict(architectures=[spec.hf_architecture], hidden_size=hidden, num_attention_heads=heads,
