@@ -84,8 +84,9 @@ ENGINE_CASES = ["gemma2-softcap-q8", "gemma3-linear-q4", "qwen3moe-small-q4"]
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("label", ENGINE_CASES)
 def test_greedy_through_engine(tmp_path, label, backend):
-    """Four prompts at once through the engine, 64-token steps (chunked prefill), prompts past Gemma's windows
-    (24 and 20 tokens), greedy tokens equal to the oracle's."""
+    """The start-up path of ``--model x.gguf`` (config, executor, weights kept as stored under the default
+    ``--quantization auto``), four prompts at once, 64-token steps (chunked prefill), prompts past Gemma's windows
+    (24 and 20 tokens): greedy tokens equal to the oracle's."""
     from backend_cases import word_tokenizer
     from family_cases import engine_greedy, hf_greedy
     from pagedserve.attention.cpu import CpuAttentionBackend
@@ -97,13 +98,14 @@ def test_greedy_through_engine(tmp_path, label, backend):
     hf = case_model(label)
     stored = write_gguf(hf, arch, tmp_path / "m.gguf", qtype)
     ref = stored_model(hf, arch, stored)
-    model, cfg = _load(tmp_path / "m.gguf")
     rng = random.Random(2)
     prompts = [rng.choices(range(2, 256), k=n) for n in (7, 45, 130, 200)]
-    config = EngineConfig(device="cpu", dtype="float32", attention_backend=backend, num_kv_blocks=200,
-                          max_num_batched_tokens=64, max_num_seqs=8)
-    engine, info = build_engine(config, model=model, tokenizer=word_tokenizer(256), hf_config=cfg,
+    config = EngineConfig(model=str(tmp_path / "m.gguf"), device="cpu", dtype="float32", attention_backend=backend,
+                          num_kv_blocks=200, max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=True,
+                          linear_kernels="float-activations")
+    engine, info = build_engine(config, tokenizer=word_tokenizer(256),
                                 backend=CpuAttentionBackend() if backend == "cpu" else TorchAttentionBackend())
+    assert "as stored" in info.quantization and "dequantized" not in info.quantization
     if arch.startswith("gemma"):
         assert any(info.sliding_windows) and max(info.sliding_windows) < 130
     out = engine_greedy(engine, prompts, 6)
