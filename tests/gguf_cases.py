@@ -33,6 +33,8 @@ CASES = {
     "phi3-partial-q4": ("phi3", "phi3", {}, "Q4_0", "stored"),
     # rope scaling stored as tensors: llama3's frequency divisors (rope_freqs), Phi-3's longrope factors
     "llama3-rope-q8": ("llama", "llama3-rope", {}, "Q8_0", "stored"),
+    # Mixtral: llama with experts (llama.cpp writes it so); transformers' reader maps no experts for llama
+    "mixtral-q4": ("llama", "mixtral", {}, "Q4_0", "stored"),
     "phi3-longrope": ("phi3", "phi3-longrope", {}, "F32", "stored"),
     "gemma2": ("gemma2", "gemma2", dict(_GEMMA2, head_dim=256, query_pre_attn_scalar=256, sliding_window=24,
                                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0), "F32",
@@ -152,6 +154,9 @@ def _metadata(w, cfg, arch: str) -> None:
         w.add_value_length(head_dim)
         if arch == "llama":
             w.add_rope_dimension_count(head_dim)
+    if arch == "llama" and getattr(cfg, "num_local_experts", None):   # Mixtral as llama
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch == "qwen3moe":
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

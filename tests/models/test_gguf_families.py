@@ -48,9 +48,10 @@ def test_prefill_logits_match_the_oracle(case):
     from support import prefill_hidden
 
     label, model, cfg, ref = case
-    from pagedserve.models.gguf_arch import GGUF_ARCHITECTURES
+    from pagedserve.models.gguf_arch import GGUF_ARCHITECTURES, GGUF_MOE_VARIANTS
 
-    assert cfg.architectures == [type(model).__name__] == [GGUF_ARCHITECTURES[CASES[label][0]].hf_architecture]
+    table = GGUF_MOE_VARIANTS if label.startswith("mixtral") else GGUF_ARCHITECTURES
+    assert cfg.architectures == [type(model).__name__] == [table[CASES[label][0]].hf_architecture]
     ids = random.Random(1).choices(range(2, 256), k=min(150, model.max_exact_len or 150))   # longrope: 128
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
@@ -78,7 +79,7 @@ def test_quantized_weights_run_as_stored(case):
         assert all(type(e.gate_up_proj).__name__.startswith("Streaming") for e in moe[0].experts)
 
 
-ENGINE_CASES = ["gemma2-softcap-q8", "gemma3-linear-q4", "qwen3moe-small-q4"]
+ENGINE_CASES = ["gemma2-softcap-q8", "gemma3-linear-q4", "qwen3moe-small-q4", "mixtral-q4"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -156,7 +157,7 @@ def test_unknown_architecture_refused(tmp_path):
 
 
 @pytest.mark.parametrize("label, extra, message", [
-    ("llama", lambda w: w.add_expert_count(4), r"^llama.expert_count=4: not read by the engine's GGUF llama support"),
+    ("llama", lambda w: w.add_logit_scale(2.0), r"^llama.logit_scale=2.0: not read by the engine's GGUF llama support"),
     ("llama", lambda w: w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN),
      r"^llama.rope.scaling.type='yarn': only 'none' and 'linear'"),
     ("qwen2-f16", lambda w: w.add_rope_dimension_count(8), r"^qwen2.rope.dimension_count=8: partial rotary is not "

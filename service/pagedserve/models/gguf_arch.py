@@ -66,7 +66,8 @@ _SWA = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"
 #: ``general.architecture`` -> how it runs. The README's "GGUF files" table lists exactly these
 #: (tests/unit/models/test_gguf_table.py).
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("LlamaForCausalLM", "LlamaConfig", {**_ATTN, **_MLP}, permute_qk=True),
+    "llama": GGUFArchitecture("LlamaForCausalLM", "LlamaConfig", {**_ATTN, **_MLP},
+                              frozenset({"expert_count", "expert_used_count"}), permute_qk=True),   # counts of 0
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "Qwen2Config", {**_ATTN, **_MLP}, head_dim_field=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "Qwen3Config", {**_ATTN, **_QK_NORM, **_MLP}),
     "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", "Qwen3MoeConfig", {**_ATTN, **_QK_NORM, **_EXPERTS},
@@ -80,6 +81,14 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
                                _SWA | {"attn_logit_softcapping", "final_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "Gemma3TextConfig", {**_GEMMA, **_QK_NORM},
                                _SWA | {"rope.freq_base_swa"}, norm_shift=1.0),
+}
+
+#: ``general.architecture`` -> the family its files run as when ``{arch}.expert_count`` > 0: llama.cpp writes Mixtral
+#: as ``llama`` (its ``LlamaModel`` converter stacks the experts into ``ffn_*_exps``; the graph renormalizes the
+#: top-k and ignores Mistral's window). The README's table lists it as ``llama`` with ``llama.expert_count``.
+GGUF_MOE_VARIANTS: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("MixtralForCausalLM", "MixtralConfig", {**_ATTN, **_EXPERTS},
+                              frozenset({"expert_count", "expert_used_count"}), permute_qk=True),
 }
 
 #: llama.cpp ``llama-model.cpp``: every n-th layer global (``set_swa_pattern``), the local layers' rope base, and the
@@ -108,7 +117,7 @@ def metadata(reader) -> dict[str, object]:
 
 
 def architecture_of_gguf(meta: dict) -> tuple[str, GGUFArchitecture]:
-    """``(general.architecture, its GGUFArchitecture)``.
+    """``(general.architecture, its GGUFArchitecture)`` (:data:`GGUF_MOE_VARIANTS` where it has experts).
 
     Raises:
         ValueError: an architecture not in :data:`GGUF_ARCHITECTURES`, named (``general.architecture='mamba' is
@@ -117,6 +126,8 @@ def architecture_of_gguf(meta: dict) -> tuple[str, GGUFArchitecture]:
     name = meta.get("general.architecture")
     if name not in GGUF_ARCHITECTURES:
         raise ValueError(f"general.architecture={name!r} is not supported (supported: {sorted(GGUF_ARCHITECTURES)})")
+    if name in GGUF_MOE_VARIANTS and int(meta.get(f"{name}.expert_count") or 0) > 0:
+        return name, GGUF_MOE_VARIANTS[name]
     return name, GGUF_ARCHITECTURES[name]
 
 
@@ -195,9 +206,13 @@ def config_kwargs(meta: dict, tensors: dict) -> tuple[GGUFArchitecture, dict]:
         raise _refuse(f"{arch}.rope.dimension_count", rotary, f"partial rotary is not read for {arch} (head size "
                                                               f"{head_dim})")
     kw["rope_parameters"] = rope_from_tensors(arch, hp, tensors, kw["rope_parameters"], head_dim, rotary)
-    if arch in ("llama", "qwen3", "qwen3moe", "gemma2", "gemma3"):
+    moe = spec.hf_architecture == "MixtralForCausalLM"
+    if moe:
+        kw.update(num_local_experts=_int(hp, "expert_count", arch), num_experts_per_tok=_int(hp, "expert_used_count",
+                                                                                          arch), sliding_window=None)
+    elif arch in ("llama", "qwen3", "qwen3moe", "gemma2", "gemma3"):
         kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch == "llama":
+    if arch == "llama" and not moe:
         kw["mlp_bias"] = "blk.0.ffn_down.bias" in tensors
     if arch == "qwen3moe":   # llama.cpp's qwen3moe graph renormalizes the top-k unless the file says otherwise
         kw.update(num_experts=_int(hp, "expert_count", arch), num_experts_per_tok=_int(hp, "expert_used_count", arch),
