@@ -1,5 +1,5 @@
-"""The GGUF architectures this engine runs (:data:`GGUF_ARCHITECTURES`) and the HF config a GGUF file's metadata
-makes (:func:`gguf_config`).
+"""The GGUF architectures this engine runs (:data:`GGUF_ARCHITECTURES`; llama files with experts, llama.cpp's
+Mixtral: :data:`GGUF_MOE_VARIANTS`) and the HF config a GGUF file's metadata makes (:func:`gguf_config`).
 
 Each ``general.architecture`` is read as llama.cpp's ``convert_hf_to_gguf.py`` writes it (the ``{arch}.*`` keys of
 gguf-py's ``constants.Keys``; the tensor names of its ``MODEL_TENSORS``) and as llama.cpp's ``llama-model.cpp``

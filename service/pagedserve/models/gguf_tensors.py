@@ -3,7 +3,7 @@
 ``keep_quantized`` the Q4_0/Q4_1/Q8_0 linears (experts included) as their blocks (:mod:`.gguf_blocks`).
 
 Sources: gguf-py ``constants.MODEL_TENSORS`` / ``TENSOR_NAMES`` (names), llama.cpp ``convert_hf_to_gguf.py``
-(``LlamaModel.permute``; Gemma's ``norm.weight + 1``; Qwen3-MoE's experts stacked ``[experts, N, K]`` in HF order),
+(``LlamaModel.permute``; Gemma's ``norm.weight + 1``; Qwen3-MoE's and Mixtral's experts stacked ``[experts, N, K]``),
 transformers ``modeling_gguf_pytorch_utils.py`` (``LlamaTensorProcessor``, ``Gemma2TensorProcessor``,
 ``Qwen2MoeTensorProcessor``: the same inverse transforms).
 """
