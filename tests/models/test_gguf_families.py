@@ -113,6 +113,23 @@ def test_greedy_through_engine(tmp_path, label, backend):
     assert out == {f"r{i}": hf_greedy(ref, ids, 6) for i, ids in enumerate(prompts)}
 
 
+def test_tensor_parallel_2_equals_1_on_quantized_experts(tmp_path):
+    """Two spawned ranks (gloo) on the Qwen3-MoE Q8_0 file, its experts kept as stored and sliced on every rank
+    (gate/up rows, down columns on whole Q8_0 blocks), give the logits of one."""
+    from tp_cases import run_group
+
+    arch, _, _, qtype, _ = CASES["qwen3moe-q8"]
+    path = str(tmp_path / "m.gguf")
+    write_gguf(case_model("qwen3moe-q8"), arch, path, qtype)
+    ids = random.Random(4).choices(range(2, 256), k=90)
+    args = ("checkpoint_prefill_logits", path, ids, "auto", "float-activations")
+    one = torch.tensor(run_group(1, *args)[0])
+    two = run_group(2, *args)
+    assert two[1] is None
+    torch.testing.assert_close(torch.tensor(two[0]), one, atol=2e-5, rtol=1e-5)
+    assert torch.equal(torch.tensor(two[0]).argmax(-1), one.argmax(-1))
+
+
 def test_embedded_config_equals_transformers_reader(smollm_source):
     """The embedded Llama GGUF's config from its metadata equals what transformers' GGUF reader makes of it."""
     from transformers import AutoConfig
