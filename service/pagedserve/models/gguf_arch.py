@@ -24,6 +24,10 @@ _COMMON_KEYS = frozenset({
     "attention.value_length", "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.finetuned"})   # finetuned: whether the scaled model was trained so; llama.cpp only reports it
 
+#: keys every file of these architectures carries (llama.cpp's converter writes them all)
+_REQUIRED = ("context_length", "embedding_length", "block_count", "attention.head_count",
+             "attention.layer_norm_rms_epsilon")
+
 _ATTN = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
 _MLP = {"ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -163,7 +167,8 @@ def config_kwargs(meta: dict, tensors: dict) -> tuple[GGUFArchitecture, dict]:
     ``gguf.ReaderTensor``; only the rope tensors of :mod:`.gguf_rope` are read, the others by name and shape).
 
     Raises:
-        ValueError: an unknown architecture; an ``{arch}.*`` key this module does not read; per-layer head counts;
+        ValueError: an unknown architecture; an ``{arch}.*`` key this module does not read, or one of
+            :data:`_REQUIRED` missing; per-layer head counts;
             ``value_length`` != ``key_length``; a rope scaling type other than none/linear; rotary dimensions other
             than the head size (Phi-3: a partial rotary factor); a ``head_dim`` a config class without that field
             cannot hold; rope tensors that do not fit (:func:`.gguf_rope.rope_from_tensors`).
@@ -173,6 +178,9 @@ def config_kwargs(meta: dict, tensors: dict) -> tuple[GGUFArchitecture, dict]:
     for key in sorted(set(hp) - _COMMON_KEYS - spec.keys):
         raise _refuse(f"{arch}.{key}", hp[key], f"not read by the engine's GGUF {arch} support, so it cannot be run "
                                                 f"exactly")
+    for key in _REQUIRED:
+        if key not in hp:
+            raise ValueError(f"{arch}.{key} is missing from the GGUF metadata")
     hidden, heads = _int(hp, "embedding_length", arch), _int(hp, "attention.head_count", arch)
     kv_heads = _int(hp, "attention.head_count_kv", arch, heads)
     head_dim = _int(hp, "attention.key_length", arch, hidden // heads)

@@ -15,7 +15,8 @@ def _meta(arch: str, **more) -> dict:
             f"{arch}.attention.head_count": 4, f"{arch}.attention.head_count_kv": 2,
             f"{arch}.attention.layer_norm_rms_epsilon": 1e-6, f"{arch}.context_length": 512,
             f"{arch}.feed_forward_length": 128}
-    return {**base, **{f"{arch}.{k.replace('__', '.')}": v for k, v in more.items()}}
+    meta = {**base, **{f"{arch}.{k.replace('__', '.')}": v for k, v in more.items()}}
+    return {k: v for k, v in meta.items() if v is not None}
 
 
 def test_vocab_size_from_the_tokenizer_then_the_embedding():
@@ -62,6 +63,7 @@ def test_qwen3moe_renormalizes_unless_the_file_says_not():
     ("llama", dict(attention__head_count_kv=[2, 2, 2, 2, 2, 2]), r"^llama.attention.head_count_kv=\[2, 2"),
     ("qwen3", dict(attention__key_length=16, attention__value_length=32), r"^qwen3.attention.value_length=32: "),
     ("qwen2", dict(attention__key_length=32), r"^qwen2.attention.key_length=32: Qwen2Config has head_dim = "),
+    ("phi3", dict(block_count=None), r"^phi3.block_count is missing from the GGUF metadata"),
 ])
 def test_shapes_the_families_cannot_hold_refused(arch, more, message):
     from pagedserve.models.gguf_arch import config_kwargs
