@@ -45,11 +45,13 @@ def case(request, tmp_path_factory):
 
 
 def test_prefill_logits_match_the_oracle(case):
+    """A 150-token prefill (128 for longrope, exact up to its original length): logits within float32 tolerance of
+    the oracle's, the same argmax everywhere; the config names the family the GGUF table says."""
     from support import prefill_hidden
 
-    label, model, cfg, ref = case
     from pagedserve.models.gguf_arch import GGUF_ARCHITECTURES, GGUF_MOE_VARIANTS
 
+    label, model, cfg, ref = case
     table = GGUF_MOE_VARIANTS if label.startswith("mixtral") else GGUF_ARCHITECTURES
     assert cfg.architectures == [type(model).__name__] == [table[CASES[label][0]].hf_architecture]
     ids = random.Random(1).choices(range(2, 256), k=min(150, model.max_exact_len or 150))   # longrope: 128
