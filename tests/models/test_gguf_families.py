@@ -81,6 +81,22 @@ def test_quantized_weights_run_as_stored(case):
         assert all(type(e.gate_up_proj).__name__.startswith("Streaming") for e in moe[0].experts)
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "Q5_0"])
+def test_types_not_kept_are_dequantized(tmp_path, qtype):
+    """A type without a kernel (BF16, Q5_0) is dequantized by gguf under ``--quantization auto`` (the summary says
+    so) and computes the stored values' model."""
+    from support import prefill_hidden
+
+    hf = case_model("qwen3moe-small-q4")
+    stored = write_gguf(hf, "qwen3moe", tmp_path / "m.gguf", qtype)
+    model, _ = _load(tmp_path / "m.gguf")
+    assert "linear dense float32 (dequantized)" in model.quantization and "as stored" not in model.quantization
+    ids = random.Random(1).choices(range(2, 256), k=100)
+    with torch.no_grad():   # the final hidden states (the LM head of a float weight runs int8 under auto)
+        want = stored_model(hf, "qwen3moe", stored)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(prefill_hidden(model, ids), want[0], atol=5e-5, rtol=1e-5)
+
+
 ENGINE_CASES = ["gemma2-softcap-q8", "gemma3-linear-q4", "qwen3moe-small-q4", "mixtral-q4"]
 
 
