@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import numpy as np
 import torch
@@ -168,14 +169,32 @@ def _metadata(w, cfg, arch: str) -> None:
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
 
-def write_gguf(model, arch: str, path, qtype: str = "F32", extra=None, tensors=None) -> dict[str, torch.Tensor]:
-    """Write ``model`` as a GGUF file at ``path`` with its 2-D weights (3-D experts) in ``qtype`` (F32, F16,
-    Q8_0, Q4_0, Q4_1); ``extra(writer)`` may add metadata, ``tensors`` (GGUF name -> float32 array, or ``(raw
-    bytes, GGMLQuantizationType)``) replaces or adds tensors. Returns the float32 values stored, by GGUF name."""
+def _add(w, name: str, a: np.ndarray, qtype: str, keep_float: bool) -> np.ndarray:
+    """Write float32 ``a`` as ``name`` in ``qtype`` (F32 where ``keep_float``); returns the values stored."""
     import gguf
     from gguf.quants import dequantize, quantize
 
+    if keep_float or qtype == "F32":
+        w.add_tensor(name, a)
+        return a
+    if qtype == "F16":
+        w.add_tensor(name, a.astype(np.float16))
+        return a.astype(np.float16).astype(np.float32)
     kind = gguf.GGMLQuantizationType[qtype]
+    q = quantize(a, kind)
+    w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
+    return dequantize(q, kind).reshape(a.shape)
+
+
+def write_gguf(model, arch: str, path, qtype: str = "F32", extra=None, tensors=None,
+               legacy_experts: bool = False) -> dict[str, torch.Tensor]:
+    """Write ``model`` as a GGUF file at ``path`` with its 2-D weights (3-D experts) in ``qtype`` (F32, F16,
+    Q8_0, Q4_0, Q4_1); ``extra(writer)`` may add metadata, ``tensors`` (GGUF name -> float32 array, or ``(raw
+    bytes, GGMLQuantizationType)``) replaces or adds tensors; ``legacy_experts`` writes each expert as its own 2-D
+    tensor (``blk.N.ffn_gate.E.weight``, the older converters' Mixtral layout). Returns the float32 values stored,
+    by GGUF name (experts stacked)."""
+    import gguf
+
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, model.config, arch)
     if extra is not None:
@@ -184,16 +203,13 @@ def write_gguf(model, arch: str, path, qtype: str = "F32", extra=None, tensors=N
     for name, t in gguf_tensors(model, arch).items():
         if name in (tensors or {}):
             continue
-        a = t.numpy().astype(np.float32)
-        if _kept_float(name, t) or qtype == "F32":
-            w.add_tensor(name, a)
-        elif qtype == "F16":
-            w.add_tensor(name, a.astype(np.float16))
-            a = a.astype(np.float16).astype(np.float32)
+        a, keep = t.numpy().astype(np.float32), _kept_float(name, t)
+        split = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", name) if legacy_experts else None
+        if split:
+            a = np.stack([_add(w, f"blk.{split[1]}.ffn_{split[2]}.{e}.weight", a[e], qtype, keep)
+                          for e in range(a.shape[0])])
         else:
-            q = quantize(a, kind)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
-            a = dequantize(q, kind).reshape(a.shape)
+            a = _add(w, name, a, qtype, keep)
         stored[name] = torch.from_numpy(np.array(a, dtype=np.float32))
     for name, value in {**rope_tensors(model.config, arch), **(tensors or {})}.items():
         if isinstance(value, tuple):

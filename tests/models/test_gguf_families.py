@@ -97,6 +97,21 @@ def test_types_not_kept_are_dequantized(tmp_path, qtype):
     torch.testing.assert_close(prefill_hidden(model, ids), want[0], atol=5e-5, rtol=1e-5)
 
 
+def test_mixtral_one_tensor_per_expert(tmp_path):
+    """The older converters' Mixtral layout (``blk.N.ffn_gate.E.weight``, one 2-D tensor per expert) reads as the
+    stacked one does: experts kept as stored, the stored values' logits."""
+    from support import prefill_hidden
+
+    hf = case_model("mixtral-q4")
+    stored = write_gguf(hf, "llama", tmp_path / "m.gguf", "Q4_0", legacy_experts=True)
+    model, cfg = _load(tmp_path / "m.gguf")
+    assert cfg.architectures == ["MixtralForCausalLM"] and "dequantized" not in model.quantization
+    ids = random.Random(1).choices(range(2, 256), k=100)
+    with torch.no_grad():
+        want = stored_model(hf, "llama", stored)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(model.compute_logits(prefill_hidden(model, ids)), want, atol=5e-5, rtol=1e-5)
+
+
 ENGINE_CASES = ["gemma2-softcap-q8", "gemma3-linear-q4", "qwen3moe-small-q4", "mixtral-q4"]
 
 

@@ -24,8 +24,8 @@ _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 def gguf_to_hf_name(name: str, arch: GGUFArchitecture = GGUF_ARCHITECTURES["llama"]) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (an expert tensor's name holds
-    ``{e}`` for the expert index).
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (a 3-D expert tensor's name holds
+    ``{e}`` for the expert index; the older one-tensor-per-expert ``blk.3.ffn_gate.5.weight`` names its expert).
 
     Raises:
         ValueError: for a tensor name ``arch`` does not map (the rope tensors of :mod:`.gguf_rope` are read into
@@ -33,6 +33,9 @@ def gguf_to_hf_name(name: str, arch: GGUFArchitecture = GGUF_ARCHITECTURES["llam
     """
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    legacy = re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", name)
+    if legacy and f"ffn_{legacy.group(2)}_exps" in arch.layer_tensors:   # one 2-D tensor per expert (older files)
+        return f"model.layers.{legacy.group(1)}.mlp.experts.{legacy.group(3)}.{legacy.group(2)}_proj.weight"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if not m or m.group(2) not in arch.layer_tensors:
         raise ValueError(f"GGUF tensor {name!r} is not supported for {arch.hf_architecture} (known: "
