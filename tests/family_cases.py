@@ -92,13 +92,18 @@ def engine_greedy(engine, prompts: list[list[int]], n: int) -> dict[str, list[in
     return out
 
 
-def save_random_checkpoint(cfg, path, train_steps: int = 0) -> torch.nn.Module:
-    """HF's own model of ``cfg`` with seeded random weights (then ``train_steps`` of :func:`train_briefly`), saved to
-    ``path``; returns it (eval mode)."""
+def random_model(cfg) -> torch.nn.Module:
+    """HF's own model of ``cfg`` with weights seeded by ``torch.manual_seed(0)`` (eval mode)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def save_random_checkpoint(cfg, path, train_steps: int = 0) -> torch.nn.Module:
+    """HF's own model of ``cfg`` with seeded random weights (then ``train_steps`` of :func:`train_briefly`), saved to
+    ``path``; returns it (eval mode)."""
+    model = random_model(cfg)
     if train_steps:
         train_briefly(model, train_steps)
     model.save_pretrained(path)

@@ -168,14 +168,17 @@ class ExecutorModel:
         return self.executor.compute_logits(hidden)
 
 
-def checkpoint_prefill_logits(tp: TPGroup, directory: str, ids: list[int]):
+def checkpoint_prefill_logits(tp: TPGroup, directory: str, ids: list[int], quantization: str = "none",
+                              linear_kernels: str = "auto"):
     """Rank function: the float32 ``[T, vocab]`` logits (as nested lists: a tensor would travel as a shared-memory
-    handle that dies with the rank) of one prefill of ``ids`` through the checkpoint in ``directory`` built at this
-    rank's shard (rank 0; None elsewhere)."""
+    handle that dies with the rank) of one prefill of ``ids`` through the checkpoint in ``directory`` (or a GGUF
+    file) built at this rank's shard (rank 0; None elsewhere), with ``quantization`` and ``linear_kernels`` as
+    :func:`~pagedserve.models.registry.build_model` takes them."""
     from pagedserve.models.loader import ModelSource
     from pagedserve.models.registry import build_model
 
     source = ModelSource.resolve(directory)
-    model = build_model(source, source.load_config(), torch.float32, "cpu", quantization="none", tp=tp)
+    model = build_model(source, source.load_config(), torch.float32, "cpu", quantization=quantization, tp=tp,
+                        linear_kernels=linear_kernels)
     logits = prefill_logits(model, ids)
     return logits.tolist() if tp.rank == 0 else None

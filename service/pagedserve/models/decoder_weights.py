@@ -103,12 +103,14 @@ class DecoderWeights:
 
 def split_fused(name: str, tensor, fused: str, parts: list[tuple[str, int]]) -> Iterator[tuple[str, object]]:
     """A fused checkpoint tensor (rows ``[a | b | ...]``, e.g. Phi-3's ``qkv_proj``) as its named parts: ``parts``
-    is ``[(name fragment, rows)]`` replacing ``fused`` in ``name``. Quantized tensors are dequantized first."""
-    if not isinstance(tensor, torch.Tensor):
-        tensor = tensor.dequantize()
+    is ``[(name fragment, rows)]`` replacing ``fused`` in ``name``. A quantized weight (:mod:`.quant`, e.g. a GGUF
+    file's Q4_0 ``attn_qkv``) is cut by rows as stored, its codes and scales untouched."""
+    dense = isinstance(tensor, torch.Tensor)
+    total = tensor.shape[0] if dense else tensor.codes.shape[0]
+    if sum(rows for _, rows in parts) != total:
+        raise ValueError(f"weight {name!r}: {total} rows, expected {sum(rows for _, rows in parts)}")
     start = 0
     for frag, rows in parts:
-        yield name.replace(fused, frag), tensor[start:start + rows]
+        yield name.replace(fused, frag), (tensor[start:start + rows] if dense
+                                          else tensor.rows(torch.arange(start, start + rows)))
         start += rows
-    if start != tensor.shape[0]:
-        raise ValueError(f"weight {name!r}: {tensor.shape[0]} rows, expected {start}")
