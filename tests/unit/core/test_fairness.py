@@ -130,3 +130,54 @@ def test_with_one_caller_the_step_order_is_admission_order():
         order = [x.request for x in step.scheduled]
         assert order == sorted(order, key=reqs.index)
         s.update_from_output(step.output, worker_output(step))
+
+
+def _step(s: Scheduler):
+    step = schedule(s)
+    s.update_from_output(step.output, worker_output(step))
+    return step
+
+
+@pytest.mark.parametrize("weights,seats", [({}, 2), ({"light": 3.0}, 3)])
+def test_a_light_caller_takes_seats_from_a_heavy_caller_up_to_its_share(weights, seats):
+    """With every seat taken by a heavy caller's long requests, a light caller's arrival preempts the heavy
+    caller's last-admitted request (recompute) instead of waiting for one to finish, up to its seat share (4 seats
+    in proportion to the weights: 2 of 4 with equal weights, 3 with weight 3 against 1); a caller at its share is
+    never preempted, and every request still gets all its tokens."""
+    s = Scheduler(KVCacheManager(512, 16), max_num_seqs=4, max_num_batched_tokens=64,
+                  fairness=VirtualTokenCounter(weights))
+    heavy = [req("heavy", max_tokens=40) for _ in range(6)]
+    for r in heavy:
+        s.add_request(r)
+    for _ in range(3):
+        _step(s)
+    assert [r.caller for r in s.running] == ["heavy"] * 4
+    light = [req("light", max_tokens=40) for _ in range(4)]
+    for r in light:
+        s.add_request(r)
+    preempted = []
+    for _ in range(seats + 2):
+        step = _step(s)
+        preempted += step.preempted
+    assert [r.caller for r in s.running].count("light") == seats
+    assert len(preempted) == seats and all(r.caller == "heavy" for r in preempted)
+    assert preempted[0] is heavy[3]                       # the last admitted, the least progress
+    for _ in range(400):
+        if not s.has_unfinished():
+            break
+        _step(s)
+    assert not s.has_unfinished()
+    assert all(len(r.output_token_ids) == 40 for r in heavy + light)
+
+
+def test_a_caller_within_its_share_keeps_its_seats():
+    s = Scheduler(KVCacheManager(512, 16), max_num_seqs=2, max_num_batched_tokens=64)
+    for caller in ("a", "b"):
+        s.add_request(req(caller, max_tokens=30))
+    _step(s)
+    s.add_request(req("a", max_tokens=30))                # a holds 1 of 2 seats: its share; b is at its share too
+    for _ in range(10):
+        assert not _step(s).preempted
+    s.add_request(req("c", max_tokens=30))                # three callers, two seats: shares of 1, nobody is over
+    for _ in range(10):
+        assert not _step(s).preempted

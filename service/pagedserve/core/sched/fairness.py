@@ -106,6 +106,54 @@ class VirtualTokenCounter:
             return a.priority < b.priority
         return a.caller != b.caller and self._rank(a.caller) < self._rank(b.caller)
 
+    def seat_share(self, caller: str, max_num_seqs: int) -> int:
+        """``caller``'s share of the ``max_num_seqs`` running seats: in proportion to its weight among the callers
+        with requests live (waiting or running), at least 1."""
+        total = sum(self.weight(c) for c, n in self.live.items() if n > 0) or 1.0
+        return max(1, int(max_num_seqs * self.weight(caller) / total))
+
+    def seat_victim(self, head, running: list, max_num_seqs: int):
+        """With every seat taken, the running request to preempt so that the waiting ``head`` (``caller``,
+        ``priority``, ``gang``) gets a seat: our extension of VTC from the token budget to the seats, so a light
+        caller does not wait for a heavy caller's requests to finish. Only when ``head``'s caller holds fewer seats
+        than its :meth:`seat_share`, from the same-priority caller furthest above its own share that ranks after
+        ``head``'s (a larger (counter, live requests)); that caller's last request in ``running`` (the least
+        progress), never a beam-search gang member. None when no such request exists. A caller at its share is
+        never preempted, so two callers cannot take seats back and forth."""
+        if head is None or head.gang is not None or len(running) < max_num_seqs:
+            return None
+        seats: dict[str, int] = {}
+        for r in running:
+            seats[r.caller] = seats.get(r.caller, 0) + 1
+        if seats.get(head.caller, 0) >= self.seat_share(head.caller, max_num_seqs):
+            return None
+        over = {c: n - self.seat_share(c, max_num_seqs) for c, n in seats.items()
+                if c != head.caller and n > self.seat_share(c, max_num_seqs)
+                and self._rank(head.caller) < self._rank(c)}
+        for caller in sorted(over, key=lambda c: (-over[c], -self.counters.get(c, 0.0))):
+            mine = [r for r in running if r.caller == caller and r.gang is None and r.priority == head.priority]
+            if mine:
+                return mine[-1]
+        return None
+
+    def solo_prefill(self, head, running: list, max_num_seqs: int) -> str | None:
+        """The caller whose prefills get this step's prefill tokens alone, or None (the usual sharing): the first
+        prefill in fair order (the waiting ``head`` when it would be admitted ahead of ``running``'s first prefill,
+        else that prefill; ``running`` in :meth:`prefill_order`) when its caller holds fewer seats than its
+        :meth:`seat_share`, the new request counted, while another caller has more requests live than its own
+        share (a backlog beyond its seats). Its first token then comes after a step of its own prompt and
+        the decodes, not after a heavy caller's prompts too (our extension of VTC to the step's latency; a caller
+        with its share of seats or more shares steps as before)."""
+        first = next((r for r in running if r.num_tokens - r.num_computed_tokens > 1), None)
+        new = head is not None and head.gang is None and len(running) < max_num_seqs and \
+            (first is None or self.ahead(head, first))
+        first = head if new else first
+        if first is None:
+            return None
+        seats = sum(r.caller == first.caller for r in running) + new
+        crowded = any(n > self.seat_share(c, max_num_seqs) for c, n in self.live.items() if c != first.caller)
+        return first.caller if crowded and seats < self.seat_share(first.caller, max_num_seqs) else None
+
     def _rank(self, caller: str) -> tuple[float, int]:
         return self.counters.get(caller, 0.0), self.live.get(caller, 0)
 

@@ -1,20 +1,17 @@
 """Continuous-batching scheduler with a token budget, chunked prefill and preemption by recompute
 (Orca, Yu et al. OSDI 2022; vLLM v1's unified scheduler).
 
-Each step: running requests first, in admission order (decodes and unfinished prefill chunks alike; with several
-callers running, decodes first, then prefills least-served caller first: :meth:`VirtualTokenCounter.prefill_order`),
-then waiting requests by (priority, fair share, deadline, arrival). A request gets ``min(tokens left to compute,
-budget left, long_prefill_threshold)`` new tokens. When blocks run out, the last running request is preempted
-(the last admitted; with several callers, the most-served caller's latest prefill): its blocks are freed, it goes
-back to the front of the waiting queue, to be recomputed later (the prefix cache usually brings most of it back).
+Each step: running requests first, in admission order (decodes and prefill chunks alike), then waiting requests
+by (priority, fair share, deadline, arrival); with several callers, :mod:`.fairness` orders the step, may take a
+seat for a caller below its share and may give one caller's prefills a step alone. A request gets ``min(tokens
+left, budget left, long_prefill_threshold)`` new tokens. When blocks run out, the last running request is preempted:
+its blocks are freed, it goes back to the front of the waiting queue, to be recomputed (the prefix cache usually
+brings most of it back).
 
-Features sit beside the scheduler, each behind one narrow interface: a gang (``request.gang``: an object with
-``members``, its live requests, and ``seats``, the running slots it needs; beam search's groups,
-:mod:`.beam_groups`) is scheduled as one unit: its members sit next to each other in ``running``, get their blocks
-(copy-on-write copies included) all or none, are preempted together, and wait as one entry (the first member) to be
-readmitted together; ``n > 1`` completions wait for their first one's prompt (:mod:`.forks`); speculative drafts
-come from the drafter (:mod:`.drafts`) before each step and go back to it after. The KV copy-on-write copies of a
-step ride on :attr:`SchedulerOutput.block_copies`.
+Features sit beside it behind narrow interfaces: a gang (``request.gang``: ``members``, ``seats``; beam search's
+:mod:`.beam_groups`) is one unit: contiguous in ``running``, blocks (copy-on-write copies, which ride on
+:attr:`SchedulerOutput.block_copies`, included) all or none, preempted and readmitted together; ``n > 1``
+completions wait for their first one's prompt (:mod:`.forks`); drafts come from the drafter (:mod:`.drafts`).
 """
 from __future__ import annotations
 
@@ -63,14 +60,12 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.max_waiting_requests = max_waiting_requests
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.num_preemptions, self._solo = 0, None   # _solo: the step's caller whose prefills run alone
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.forks = ForkWaitList()               # n > 1 completions waiting for their first one's prompt
         self.requests: dict[int, Request] = {}      # live requests by seq_id (queued or running)
-        self.view = WorkerView(kv_cache.block_size, kv_cache.num_groups)  # what the worker knows: the step's plain output
-        self.text = text
-        self.gangs: GangOwner | None = None  # the gangs' owner (beam search's BeamGroups, which is built over
-                                             # this scheduler and attaches itself)
+        self.view, self.text = WorkerView(kv_cache.block_size, kv_cache.num_groups), text  # the worker's view
+        self.gangs: GangOwner | None = None  # the gangs' owner (beam search's BeamGroups attaches itself)
         self.drafter = drafter
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
         self.deadlines = deadlines or DeadlinePolicy(self.long_prefill_token_threshold)
@@ -120,6 +115,11 @@ class Scheduler:
         fair = all(r.gang is None for r in self.running) and \
             self.fairness.prefill_order(self.running, self._waiting.head())  # several callers: None when the plain order stands
         self.running = fair or self.running
+        if fair and (seat := self.fairness.seat_victim(self._waiting.head(), self.running, self.max_num_seqs)):
+            self.running.remove(seat)      # a seat for a caller below its share (not for memory), and the
+            self._preempt_one(seat, out)   # request back in its arrival place, not ahead of the others
+            self._waiting.push(seat)
+        self._solo = fair and self.fairness.solo_prefill(self._waiting.head(), self.running, self.max_num_seqs)
         admitted: set[int] = set()                       # ids of requests admitted mid-loop (already scheduled)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -129,6 +129,9 @@ class Scheduler:
                 continue
             if fair and req.num_tokens - req.num_computed_tokens > 1:   # a prefill: less-served waiting callers first
                 budget = self._admit_waiting(out, budget, before=req, admitted=admitted)
+                if self._solo and req.caller != self._solo:   # another caller's prefill waits for the next step
+                    i += 1
+                    continue
             if req.gang is not None:
                 taken = self._schedule_gang(i, out, budget)
                 if taken is None:
@@ -158,7 +161,7 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing after it can be running
         self.fairness.charge_scheduled([x for x in out.scheduled if id(x.request) not in admitted])
-        if not out.preempted:
+        if len(out.preempted) == (1 if fair and seat else 0):   # nothing preempted for memory
             budget = self._admit_waiting(out, budget)
         return self._emit(out, self.max_num_batched_tokens - budget)
 
@@ -207,7 +210,8 @@ class Scheduler:
         their ids added to ``admitted``. Returns the budget left."""
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting.head()
-            if before is not None and (req.gang is not None or not self.fairness.ahead(req, before)):
+            if before is not None and (req.gang is not None or not self.fairness.ahead(req, before)) or \
+                    self._solo and req.caller != self._solo:
                 break
             if admitted is not None:
                 admitted.add(id(req))
