@@ -181,3 +181,30 @@ def test_a_caller_within_its_share_keeps_its_seats():
     s.add_request(req("c", max_tokens=30))                # three callers, two seats: shares of 1, nobody is over
     for _ in range(10):
         assert not _step(s).preempted
+
+
+def test_a_light_callers_prefill_gets_a_step_of_its_own_beside_a_crowding_caller():
+    """A heavy caller with more requests live than its seat share has long prompts in prefill; a light caller's
+    prompt then runs in a step with no other prefill (its first token after its own prompt's step), and the heavy
+    chunks go on in the next step. Without crowding (heavy within its share) steps are shared."""
+    s = Scheduler(KVCacheManager(1024, 16), max_num_seqs=4, max_num_batched_tokens=256,
+                  long_prefill_token_threshold=32)
+    for _ in range(12):
+        s.add_request(req("heavy", n_prompt=200, max_tokens=3))
+    for _ in range(2):
+        _step(s)
+    light = req("light", n_prompt=24, max_tokens=3)
+    s.add_request(light)
+    step = _step(s)
+    prefills = [x for x in step.scheduled if x.num_new_tokens > 1]
+    assert [x.request for x in prefills] == [light], [(x.request.caller, x.num_new_tokens) for x in step.scheduled]
+    later = _step(s)
+    assert sum(x.request.caller == "heavy" and x.num_new_tokens > 1 for x in later.scheduled) == 3
+    calm = Scheduler(KVCacheManager(1024, 16), max_num_seqs=8, max_num_batched_tokens=256,
+                     long_prefill_token_threshold=32)
+    for _ in range(3):
+        calm.add_request(req("heavy", n_prompt=200, max_tokens=3))
+    _step(calm)
+    calm.add_request(req("light", n_prompt=24, max_tokens=3))
+    shared = _step(calm)
+    assert [x.request.caller for x in shared.scheduled] == ["light", "heavy", "heavy", "heavy"]
