@@ -60,12 +60,12 @@ def test_refusal_rules():
     err = p.refusal(req("b", deadline=NOW - 0.1), NOW, [])
     assert isinstance(err, DeadlineError) and "deadline passed" in str(err) and err.retry_after_s == 1.0
     p.timer.observe(0.1)                                                  # 100 ms per step
-    # 130 prompt tokens = 3 prefill steps, then 7 more decode steps: 10 steps = 1.0 s
-    assert p.estimated_service_s(req("c", n_prompt=130, max_tokens=8)) == pytest.approx(1.0)
+    # 130 prompt tokens = 3 prefill steps, then 7 more decode steps: 10 steps = 1.0 s, 1.1 s with the headroom
+    assert p.estimated_service_s(req("c", n_prompt=130, max_tokens=8)) == pytest.approx(1.1)
     busy = [req("running")]
-    assert p.refusal(req("c", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, busy) is None
-    assert p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 0.95), NOW, []) is None  # idle: runs now
-    err = p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 0.95), NOW, busy)
+    assert p.refusal(req("c", n_prompt=130, max_tokens=8, deadline=NOW + 1.15), NOW, busy) is None
+    assert p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, []) is None  # idle: runs now
+    err = p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, busy)
     assert isinstance(err, DeadlineError) and "cannot finish within the deadline" in str(err)
     assert (p.stats.refused_expired, p.stats.refused_infeasible, p.stats.refused_queue_time) == (1, 1, 0)
     assert p.stats.refused_by_caller == {"": 2}                          # per caller (fair shares' name)
@@ -127,3 +127,29 @@ def test_without_an_explicit_max_tokens_only_expiry_counts():
     p.timer.observe(1.0)
     r = Request("d", [1, 2, 3], SamplingParams(), max_tokens=8000, eos_token_ids=frozenset(), deadline=NOW + 5)
     assert p.refusal(r, NOW, [req("running")]) is None     # max_tokens is the context's room: no estimate
+
+
+def test_the_estimate_is_calibrated_by_how_long_admitted_requests_took():
+    """Admitted requests that took twice steps x the mean step time (their own prefill steps are longer, later
+    prompts join their steps) double the estimate once 8 have ended, so a request that fits the plain estimate
+    but not the calibrated one is refused; preempted ones do not count."""
+    p = DeadlinePolicy(prefill_chunk=64)
+    p.timer.observe(0.1)
+    busy = [req("running")]
+    probe = req("probe", n_prompt=60, max_tokens=10, deadline=NOW + 1.5)   # 10 steps: 1.1 s before calibration, 2.2 s after
+    assert p.estimated_service_s(probe) == pytest.approx(1.1) and p.refusal(probe, NOW, busy) is None
+    for i in range(8):
+        done = req(f"done{i}", n_prompt=60, max_tokens=5)
+        done.token_ids.extend([7] * 5)
+        done.first_scheduled_time = NOW - 1.0             # 5 steps at 0.1 s would be 0.5 s: it took 1.0 s
+        if i == 0:
+            done.num_preemptions = 1
+        p.on_finished(done, NOW)
+    assert p.slowdown == pytest.approx(1.1)               # 7 samples: the preempted one is left out; headroom
+    extra = req("done8", n_prompt=60, max_tokens=5)
+    extra.token_ids.extend([7] * 5)
+    extra.first_scheduled_time = NOW - 1.0
+    p.on_finished(extra, NOW)
+    assert p.slowdown == pytest.approx(2.2)               # the slowest, with 10% headroom
+    assert p.estimated_service_s(probe) == pytest.approx(2.2)
+    assert isinstance(p.refusal(probe, NOW, busy), DeadlineError)

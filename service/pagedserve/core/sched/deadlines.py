@@ -7,10 +7,11 @@ step, and when a request arrives, every waiting request that was never admitted 
 
 - its deadline has passed, or
 - it cannot finish by it even if it started now (checked while requests run, so the step time is current, and
-  only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + (prefill steps + max_tokens) * step time > deadline``,
-  where the step time is the mean wall time of the executor's recent steps (:class:`StepTimer`; each step
-  advances every running request by one token, and a prompt needs ``ceil(prompt / long_prefill_token_threshold)``
-  steps), or
+  only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + (prefill
+  steps + max_tokens) * step time * slowdown > deadline``, where the step time is the mean wall time of the
+  executor's recent steps (:class:`StepTimer`; each step advances every running request by one token, and a
+  prompt needs ``ceil(prompt / long_prefill_token_threshold)`` steps) and the slowdown the 90th percentile of how
+  much longer recent admitted requests took than that (:attr:`DeadlinePolicy.slowdown`), or
 - it has no deadline and has waited ``max_queue_time_s`` (``--max-queue-time-s``).
 
 Such a request is refused with :class:`~pagedserve.errors.DeadlineError` (gRPC DEADLINE_EXCEEDED with a
@@ -28,6 +29,10 @@ from ...errors import DeadlineError
 from ...request import Request
 
 STEP_WINDOW = 64   # steps the measured step time averages over
+SLOWDOWN_WINDOW = 32   # admitted requests whose service time calibrates the estimate
+SLOWDOWN_MIN_SAMPLES = 8
+SLOWDOWN_QUANTILE = 1.0   # the slowest of the window
+SLOWDOWN_HEADROOM = 1.1   # beyond it: a burst of admissions slows the next requests before any of them ends
 
 
 class StepTimer:
@@ -82,15 +87,34 @@ class DeadlinePolicy:
         self.enabled = enabled
         self.timer = StepTimer()
         self.stats = DeadlineStats()
+        self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)   # service time / estimate, admitted requests
+
+    def steps_needed(self, prompt_tokens: int, output_tokens: int) -> int:
+        """Steps from admission to the last of ``output_tokens``: the prompt's prefill chunks, then one step per
+        further token."""
+        return math.ceil(prompt_tokens / self.prefill_chunk) + max(0, output_tokens - 1)
+
+    @property
+    def slowdown(self) -> float:
+        """How much longer admitted requests took than ``steps x`` the measured step time: the largest ratio over
+        the last :data:`SLOWDOWN_WINDOW` admitted requests that ended (1.0 until :data:`SLOWDOWN_MIN_SAMPLES` did),
+        times :data:`SLOWDOWN_HEADROOM`. It covers what the mean step misses: a request's own prefill step is
+        longer than the mean, and requests admitted after it add their prompts to its steps (bench/deadlines.py:
+        admitted requests take up to 1.25x the plain estimate in bursts, and the window learns a burst only as its
+        requests end)."""
+        if len(self._ratios) < SLOWDOWN_MIN_SAMPLES:
+            return SLOWDOWN_HEADROOM
+        ordered = sorted(self._ratios)
+        return SLOWDOWN_HEADROOM * ordered[min(len(ordered) - 1, int(SLOWDOWN_QUANTILE * len(ordered)))]
 
     def estimated_service_s(self, request: Request) -> float | None:
-        """Seconds ``request`` needs from admission to its last token at the measured step time (None before the
-        first measured step)."""
+        """Seconds ``request`` needs from admission to its last token: :meth:`steps_needed` x the measured step
+        time x :attr:`slowdown` (None before the first measured step)."""
         if self.timer.step_s is None:
             return None
-        prompt = request.num_tokens - request.num_computed_tokens
-        steps = math.ceil(prompt / self.prefill_chunk) + max(0, request.max_tokens - request.num_output_tokens - 1)
-        return steps * self.timer.step_s
+        steps = self.steps_needed(request.num_tokens - request.num_computed_tokens,
+                                  request.max_tokens - request.num_output_tokens)
+        return steps * self.timer.step_s * self.slowdown
 
     def refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
         """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run
@@ -139,9 +163,14 @@ class DeadlinePolicy:
         return max(1.0, left * step)
 
     def on_finished(self, request: Request, now: float) -> None:
-        """Count a request that ended (any way) after its deadline."""
+        """Count a request that ended (any way) after its deadline; one that ran unpreempted from admission
+        calibrates :attr:`slowdown` (its seconds from first step to ``now`` over its steps x the step time)."""
         if request.deadline is not None and now > request.deadline:
             self.stats.missed += 1
+        start, step = request.first_scheduled_time, self.timer.step_s
+        if start is not None and step and request.num_preemptions == 0 and request.num_output_tokens > 0:
+            steps = self.steps_needed(request.num_prompt_tokens, request.num_output_tokens)   # as estimated
+            self._ratios.append((now - start) / (steps * step))
 
     @staticmethod
     def queue_key(request: Request) -> float:
