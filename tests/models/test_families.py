@@ -164,14 +164,16 @@ def test_int4_teacher_forced_top1_against_dequantized(trained_checkpoint, label)
     assert agree >= 0.99
 
 
-@pytest.mark.parametrize("label", ["qwen3", "gpt-oss"])
-def test_tensor_parallel_2_equals_1(tmp_path, label):
+@pytest.mark.parametrize("label,overrides", [("qwen3", {}), ("gpt-oss", {}), ("olmo2", {}),
+                                             ("olmo2", {"num_key_value_heads": 1})])
+def test_tensor_parallel_2_equals_1(tmp_path, label, overrides):
     """Two spawned ranks (gloo) give the logits of one: Qwen3's per-head q/k norms on each rank's heads; gpt-oss's
     experts sliced on every rank (router bias, expert biases on rank 0, clamped SwiGLU per slice, one all-reduce
-    of the summed experts) and its sinks split with the heads."""
+    of the summed experts) and its sinks split with the heads; OLMo 2's q/k RMSNorm over the whole projection
+    from each rank's slice (the sum of squares all-reduced; one KV head replicated on both ranks counted once)."""
     from tp_cases import run_group
 
-    save_random_checkpoint(hf_config(label), tmp_path)
+    save_random_checkpoint(hf_config(label, **overrides), tmp_path)
     ids = random.Random(4).choices(range(2, 256), k=90)
     one = torch.tensor(run_group(1, "checkpoint_prefill_logits", str(tmp_path), ids)[0])
     two = run_group(2, "checkpoint_prefill_logits", str(tmp_path), ids)

@@ -113,14 +113,6 @@ def test_experts_that_do_not_split_refused_under_tensor_parallel():
         _build(hf_config("qwen3-moe", num_attention_heads=6, num_key_value_heads=3), TPGroup(rank=0, size=3))
 
 
-def test_whole_projection_qk_norm_refused_under_tensor_parallel():
-    from pagedserve.models.decoder import UnsupportedConfig
-    from pagedserve.models.layers import TPGroup
-
-    with pytest.raises(UnsupportedConfig, match=r"^tensor_parallel_size: q/k RMSNorm over the whole projection"):
-        _build(hf_config("olmo2"), TPGroup(rank=0, size=2))
-
-
 def test_no_rope_layers_length_refused():
     from pagedserve.models.decoder import UnsupportedConfig
 

@@ -46,7 +46,7 @@ class DecoderAttention(nn.Module):
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # this rank's heads (all of them at size 1)
-        self.num_heads, self.num_kv_heads, _ = layers.split_heads(total_heads, total_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, first_kv = layers.split_heads(total_heads, total_kv_heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = spec.attention_multiplier if spec.attention_multiplier is not None else self.head_dim ** -0.5
@@ -64,12 +64,15 @@ class DecoderAttention(nn.Module):
         if spec.qk_norm == "head":
             self.q_norm = nn.Parameter(torch.ones(self.head_dim))
             self.k_norm = nn.Parameter(torch.ones(self.head_dim))
-        elif spec.qk_norm == "projection":
-            if tp.size > 1:
-                raise UnsupportedConfig("tensor_parallel_size: q/k RMSNorm over the whole projection (OLMo 2) "
-                                        "runs at tensor-parallel size 1 only")
+        elif spec.qk_norm == "projection":   # OLMo 2: this rank's slice of weights normed over the whole row
+            self.tp = tp
             self.q_norm = nn.Parameter(torch.ones(self.q_size))
             self.k_norm = nn.Parameter(torch.ones(self.kv_size))
+            #: (first row, width of the whole projection, ranks holding each row) of q and k: load_weights slices
+            #: the checkpoint's norm weights by the first, the forward's mean square uses the others
+            self.projection_rows = ((tp.rank * self.q_size, total_heads * self.head_dim, 1),
+                                    (first_kv * self.head_dim, total_kv_heads * self.head_dim,
+                                     max(1, tp.size // total_kv_heads)))
 
     def _qk(self, positions, qkv: torch.Tensor, ew: ops.ElementwiseOps, cos_sin) -> torch.Tensor:
         """``[T, heads + kv_heads, head_dim]``: q and k normed as the spec says and rotated."""
@@ -82,9 +85,14 @@ class DecoderAttention(nn.Module):
             q = ew.rms_norm(qkv[:, :self.q_size].reshape(T * H, D), self.q_norm, self.eps)[0]
             k = ew.rms_norm(qkv[:, self.q_size:qk_size].reshape(T * Hk, D), self.k_norm, self.eps)[0]
             qk = torch.cat([q.view(T, H, D), k.view(T, Hk, D)], dim=1)
-        else:
+        elif self.tp.size == 1:
             q = ew.rms_norm(qkv[:, :self.q_size].contiguous(), self.q_norm, self.eps)[0]
             k = ew.rms_norm(qkv[:, self.q_size:qk_size].contiguous(), self.k_norm, self.eps)[0]
+            qk = torch.cat([q, k], dim=-1).view(T, H + Hk, D)
+        else:
+            (_, q_total, _), (_, k_total, k_copies) = self.projection_rows
+            q = self._sliced_rms_norm(qkv[:, :self.q_size], self.q_norm, q_total, 1)
+            k = self._sliced_rms_norm(qkv[:, self.q_size:qk_size], self.k_norm, k_total, k_copies)
             qk = torch.cat([q, k], dim=-1).view(T, H + Hk, D)
         if self.rotary_dim == D:
             return ew.rotary_embedding(positions, qk, cos_sin)
@@ -92,6 +100,15 @@ class DecoderAttention(nn.Module):
             return qk
         rotated = ew.rotary_embedding(positions, qk[..., :self.rotary_dim], cos_sin)
         return torch.cat([rotated, qk[..., self.rotary_dim:]], dim=-1)
+
+    def _sliced_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, total: int, copies: int) -> torch.Tensor:
+        """RMSNorm of rows split across the tensor-parallel ranks (transformers' ``Olmo2RMSNorm`` over the whole
+        projection): ``x`` ``[T, n]`` is this rank's slice of ``[T, total]`` rows, each element held by ``copies``
+        ranks (replicated KV heads); the float32 sum of squares is all-reduced, so every rank scales its slice by
+        the whole row's ``rsqrt(mean square + eps)``, then by its slice of ``weight``. Returns ``[T, n]``."""
+        xf = x.float()
+        sq = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        return weight * (xf * torch.rsqrt(sq / (total * copies) + self.eps)).to(x.dtype)
 
     def forward(self, positions, hidden, kv_cache, meta, backend: AttentionBackend, cos_sin):
         T = hidden.shape[0]

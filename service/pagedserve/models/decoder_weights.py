@@ -57,6 +57,11 @@ class DecoderWeights:
             if self.tp.size > 1 and target.endswith(".self_attn.sinks"):   # per query head: this rank's heads
                 local = self.layers[0].self_attn.num_heads
                 tensor = tensor[self.tp.rank * local:(self.tp.rank + 1) * local]
+            if self.tp.size > 1 and target.endswith((".self_attn.q_norm", ".self_attn.k_norm")) and \
+                    self.layers[0].self_attn.qk_norm == "projection":   # OLMo 2: this rank's rows of the norm
+                attn = self.layers[0].self_attn
+                start = attn.projection_rows[0 if target.endswith("q_norm") else 1][0]
+                tensor = tensor[start:start + (attn.q_size if target.endswith("q_norm") else attn.kv_size)]
             if tensor is None:  # nothing of it on this rank (a row-parallel bias off rank 0)
                 continue
             owner = target.removesuffix(".weight")
