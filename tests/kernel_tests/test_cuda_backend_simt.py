@@ -85,3 +85,5 @@ def test_softcap_and_sink_families_match_transformers(sim, tmp_path, label):
     assert out == {f"r{i}": hf_greedy(hf, ids, 4) for i, ids in enumerate(prompts)}
     launched = {name.split("<")[0] for name, *_ in sim.launches}
     assert {"paged_decode_kernel", "paged_prefill_fp32_kernel"} <= launched
+    if label == "gpt-oss":   # the experts' routing and weighted sum on cuda/moe.cu
+        assert {"moe_topk_kernel", "moe_combine_kernel"} <= launched

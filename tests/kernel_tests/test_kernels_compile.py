@@ -26,7 +26,9 @@ ATTENTION_KEYS = [
 ]
 OTHER_KEYS = [ModuleKey("cache", arch=a) for a in ("sm_80", "sm_90")] + [
     ModuleKey("elementwise", d, arch="sm_90") for d in ("float16", "bfloat16", "float32")] + [
-    ModuleKey("elementwise", "bfloat16", arch="sm_80")]
+    ModuleKey("elementwise", "bfloat16", arch="sm_80")] + [
+    ModuleKey("moe", d, arch="sm_90") for d in ("float16", "bfloat16", "float32")] + [
+    ModuleKey("moe", "bfloat16", arch="sm_80")]
 
 
 @functools.cache

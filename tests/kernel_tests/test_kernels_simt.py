@@ -42,6 +42,7 @@ def module_keys() -> list[ModuleKey]:
     keys = {ModuleKey("decode", geo.dtype_name(d), hd, bs, "simt") for d, hd, bs in DECODE_CONFIGS}
     keys |= {ModuleKey("prefill", geo.dtype_name(d), hd, bs, "simt") for d, hd, bs in PREFILL_CONFIGS}
     keys |= {ModuleKey("elementwise", geo.dtype_name(d), arch="simt") for d in kc.DTYPES}
+    keys |= {ModuleKey("moe", geo.dtype_name(d), arch="simt") for d in kc.DTYPES}
     keys.add(ModuleKey("cache", arch="simt"))
     return sorted(keys, key=str)
 
@@ -290,3 +291,45 @@ def test_decode_traps_on_too_little_shared_memory():
     sim.launch(key, name, CPU, plan.grid, plan.block, args, plan.smem_bytes)  # the right size runs
     with pytest.raises(SimtError, match="__trap"):
         sim.launch(key, name, CPU, plan.grid, plan.block, args, plan.smem_bytes // 2)
+
+
+@pytest.mark.parametrize("softmax_first,renormalize", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (128, 8), (5, 5)])
+def test_moe_topk_matches_the_routers(sim, softmax_first, renormalize, num_experts, top_k):
+    """cuda/moe.cu's router against models/moe.py's torch routing (softmax first: Mixtral / Qwen3-MoE, with and
+    without renormalizing; top-k first: gpt-oss): the same experts in the same order, weights within 1e-6."""
+    from pagedserve.kernels.moe import moe_topk
+
+    logits = torch.randn(37, num_experts, generator=torch.Generator().manual_seed(num_experts)) * 3
+    weights, ids = moe_topk(logits, top_k, softmax_first, renormalize)
+    if softmax_first:
+        want_w, want_ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+        if renormalize:
+            want_w = want_w / want_w.sum(-1, keepdim=True)
+    else:
+        top, want_ids = torch.topk(logits, top_k, dim=-1)
+        want_w = torch.softmax(top, dim=-1)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+
+
+def test_moe_topk_breaks_ties_to_the_lower_expert(sim):
+    from pagedserve.kernels.moe import moe_topk
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0]])
+    _, ids = moe_topk(logits, 4, True, False)
+    assert ids.tolist() == [[1, 2, 4, 5]]
+    with pytest.raises(ValueError, match="^top_k"):
+        moe_topk(logits, 7, True, False)
+
+
+@pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
+def test_moe_combine_sums_each_tokens_rows(sim, dtype):
+    """Each token's rows summed in float32 in the order given, rounded once."""
+    from pagedserve.kernels.moe import moe_combine
+
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(40 * 3, 200, generator=g).to(dtype)
+    rows = torch.randperm(120, generator=g).view(40, 3).to(torch.int32)
+    want = src.float()[rows.long()].sum(1).to(dtype)
+    torch.testing.assert_close(moe_combine(src, rows), want, atol=0, rtol=0)

@@ -18,7 +18,7 @@ from . import geometry as geo
 from .sources import load_source
 
 FAMILY_SOURCES = {"cache": "cache_ops.cu", "decode": "decode_attention.cu",
-                  "prefill": "prefill_attention.cu", "elementwise": "elementwise.cu"}
+                  "prefill": "prefill_attention.cu", "elementwise": "elementwise.cu", "moe": "moe.cu"}
 FP32_SOURCES = {"prefill": "prefill_attention_fp32.cu"}  # fp32 variants kept in their own file
 
 
@@ -60,6 +60,8 @@ class ModuleKey:
             return (tuple(geo.rms_norm_kernel_name(d, v, r) for v in vecs for r in (False, True))
                     + tuple(geo.rotary_kernel_name(d, n) for n in (True, False))
                     + tuple(geo.silu_and_mul_kernel_name(d, v) for v in vecs))
+        if self.family == "moe":
+            return (geo.moe_topk_kernel_name(True), geo.moe_topk_kernel_name(False), geo.moe_combine_kernel_name(d))
         raise ValueError(f"family: unknown kernel family {self.family!r}")
 
 

@@ -75,6 +75,18 @@ def silu_and_mul_kernel_name(dtype: str, vec: int) -> str:
     return f"silu_and_mul_kernel<{CTYPES[dtype]}, {vec}>"
 
 
+def moe_topk_kernel_name(softmax_first: bool) -> str:
+    return f"moe_topk_kernel<{'true' if softmax_first else 'false'}>"
+
+
+def moe_combine_kernel_name(dtype: str) -> str:
+    return f"moe_combine_kernel<{CTYPES[dtype]}>"
+
+
+MOE_MAX_TOP_K = 64
+MOE_TOPK_WARPS = 8   # tokens per block of the router kernel (a warp each)
+
+
 def reshape_and_cache_kernel_name(unit_bytes: int) -> str:
     return f"reshape_and_cache_kernel<{COPY_UNITS[unit_bytes]}>"
 

@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts MLP (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; Qwen3-MoE), on CPU.
+"""Sparse mixture-of-experts MLP (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; Qwen3-MoE), on CPU and on CUDA
+(routing and the weighted sum on cuda/moe.cu there: :meth:`SparseMoeBlock.route_cuda`).
 
 Routing as HF transformers' ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``: router logits ``x @ gate.T`` in the
 model dtype, softmax over all experts in float32, the top ``k``, renormalized to sum 1 where the family does
@@ -119,8 +120,21 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    def route_cuda(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`route` on the router kernel of cuda/moe.cu (:func:`pagedserve.kernels.moe.moe_topk`): the
+        logits in float32 (gpt-oss's softmax over the top k too, where :meth:`route` keeps x's dtype)."""
+        from ..kernels.moe import moe_topk
+
+        logits = F.linear(x, self.gate, getattr(self, "gate_bias", None)).float().contiguous()
+        weights, ids = moe_topk(logits, self.top_k, not self.softmax_topk, self.norm_topk_prob)
+        return weights.to(x.dtype), ids.long()
+
     def forward(self, x: torch.Tensor, elementwise: ops.ElementwiseOps = ops.TORCH_OPS) -> torch.Tensor:
-        weights, ids = self.route(x)
+        """With the CUDA elementwise set (``elementwise.name == "cuda"``: the CUDA backend, or its host emulator in
+        the tests) routing and the weighted sum run on cuda/moe.cu's kernels, else on torch; the experts' matmuls
+        are torch's either way."""
+        cuda = elementwise.name == "cuda"
+        weights, ids = self.route_cuda(x) if cuda else self.route(x)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)        # (token, slot) pairs grouped by expert, ascending
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()   # the forward's one host read
@@ -132,7 +146,14 @@ class SparseMoeBlock(nn.Module):
                 outs.append(expert(xs[start:start + n], elementwise))
             start += n
         ys = torch.cat(outs) * weights.flatten().index_select(0, order)[:, None]
-        out = torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
+        if cuda:   # each token's rows of ys, in ascending expert order (ys is grouped by expert)
+            from ..kernels.moe import moe_combine
+
+            where = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
+            rows = where.view(-1, self.top_k).sort(dim=-1).values.to(torch.int32).contiguous()
+            out = moe_combine(ys.to(x.dtype).contiguous(), rows)
+        else:
+            out = torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
