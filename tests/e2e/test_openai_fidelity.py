@@ -284,6 +284,14 @@ def test_model_cards_carry_the_start_time_owner_and_context_length(server, oai):
     assert cards[MODEL].created == oai.models.retrieve(MODEL).created
     assert cards[MODEL].model_extra["max_model_len"] == server.engine.max_model_len
     assert cards["all-MiniLM-L6-v2"].model_extra["max_model_len"] == server.app.services.embedding.info.max_input_tokens
+    # what the generation model is (SmolLM2-135M: Llama, 30 layers, 3 KV heads of 64, no window, dense)
+    extra = cards[MODEL].model_extra
+    assert (extra["architecture"], extra["sliding_windows"], extra["num_experts"], extra["num_experts_per_token"]) \
+        == ("LlamaForCausalLM", [], 0, 0)
+    info = server.app.services.generation.info
+    assert extra["kv_layout"] == {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
+                                  "kv_cache_dtype": info.kv_cache_dtype, "block_size": info.block_size}
+    assert "architecture" not in cards["all-MiniLM-L6-v2"].model_extra
 
 
 def test_cors_preflight_needs_no_api_key_but_the_call_does(server):

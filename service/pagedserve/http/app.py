@@ -151,9 +151,10 @@ def build_app(config: ServerConfig, services: Services, metrics: ServerMetrics, 
 
     def card(name: str) -> dict:
         """vLLM's model card: ``created`` is the server's start (unix seconds), ``max_model_len`` the longest
-        context (the generation model's; the embedding model's longest input)."""
+        context (the generation model's; the embedding model's longest input); for the generation model also what
+        it is (:meth:`OpenAIServing.model_details`)."""
         return {"id": name, "object": "model", "created": started_s, "owned_by": "pagedserve", "root": name,
-                "parent": None, "max_model_len": serving.max_model_len(name)}
+                "parent": None, "max_model_len": serving.max_model_len(name), **serving.model_details(name)}
 
     @app.get("/v1/models")
     async def models():

@@ -74,6 +74,20 @@ class OpenAIServing:
             return self.services.embedding.info.max_input_tokens
         return None
 
+    def model_details(self, name: str) -> dict:
+        """What the generation model served as ``name`` is (beside vLLM's card fields; {} for another model):
+        ``architecture`` (the HF name), ``sliding_windows`` (the distinct windows in tokens; [] with none),
+        ``num_experts`` / ``num_experts_per_token`` (0: dense) and ``kv_layout`` (``num_layers``, ``num_kv_heads``,
+        ``head_dim``, ``kv_cache_dtype``, ``block_size``), as ``GetModelInfo`` gives them."""
+        if self.services.generation is None or name != self.generation_name:
+            return {}
+        info = self.services.generation.info
+        return {"architecture": info.architecture, "sliding_windows": sorted({w for w in info.sliding_windows if w}),
+                "num_experts": info.num_experts, "num_experts_per_token": info.num_experts_per_token,
+                "kv_layout": {"num_layers": info.num_layers, "num_kv_heads": info.num_kv_heads,
+                              "head_dim": info.head_dim, "kv_cache_dtype": info.kv_cache_dtype,
+                              "block_size": info.block_size}}
+
     def _check_model(self, model: str | None, served: str | None, kind: str) -> str:
         if model is None or model == served:
             return served or ""
