@@ -153,3 +153,24 @@ def test_the_estimate_is_calibrated_by_how_long_admitted_requests_took():
     assert p.slowdown == pytest.approx(2.2)               # the slowest, with 10% headroom
     assert p.estimated_service_s(probe) == pytest.approx(2.2)
     assert isinstance(p.refusal(probe, NOW, busy), DeadlineError)
+
+
+def test_the_calibration_compares_with_the_estimate_made_at_admission():
+    """Requests planned at 0.1 s per step that took 2x as long while the mean step rose to 0.2 s: measured against
+    their admission-time estimate (not the step time at their end) the slowdown is 2, not 1."""
+    p = DeadlinePolicy(prefill_chunk=64)
+    p.timer.observe(0.1)
+    busy = [req("running")]
+    done = []
+    for i in range(8):
+        r = req(f"d{i}", n_prompt=60, max_tokens=10, deadline=NOW + 100)
+        assert p.refusal(r, NOW, busy) is None
+        assert r.planned_service_s == pytest.approx(1.0)       # 10 steps at 0.1 s, before any slowdown
+        done.append(r)
+    for _ in range(64):
+        p.timer.observe(0.2)                                   # the engine slowed down after they were admitted
+    for r in done:
+        r.token_ids.extend([7] * 10)
+        r.first_scheduled_time = NOW - 2.0
+        p.on_finished(r, NOW)
+    assert p.slowdown == pytest.approx(2.0 * 1.1)

@@ -145,6 +145,8 @@ class DeadlinePolicy:
         # ends long before), and while requests run (an idle engine runs it at once, at its best speed).
         explicit = request.params.max_tokens is not None
         need = self.estimated_service_s(request) if running and explicit else None
+        if need is not None:   # what on_finished compares the service time with (the last check's, unscaled)
+            request.planned_service_s = need / self.slowdown
         if need is not None and need > left:
             self.stats.refused_infeasible += 1
             return DeadlineError(
@@ -164,13 +166,20 @@ class DeadlinePolicy:
 
     def on_finished(self, request: Request, now: float) -> None:
         """Count a request that ended (any way) after its deadline; one that ran unpreempted from admission
-        calibrates :attr:`slowdown` (its seconds from first step to ``now`` over its steps x the step time)."""
+        calibrates :attr:`slowdown`: its seconds from first step to ``now`` over the plain estimate of its last
+        check before admission (``request.planned_service_s``, scaled to the tokens it made), else over its steps x
+        the step time now."""
         if request.deadline is not None and now > request.deadline:
             self.stats.missed += 1
         start, step = request.first_scheduled_time, self.timer.step_s
         if start is not None and step and request.num_preemptions == 0 and request.num_output_tokens > 0:
-            steps = self.steps_needed(request.num_prompt_tokens, request.num_output_tokens)   # as estimated
-            self._ratios.append((now - start) / (steps * step))
+            # against the estimate made when it was admitted (the step time then), scaled to the tokens it made;
+            # without one (admitted without a check), the plain estimate at the step time now
+            steps = self.steps_needed(request.num_prompt_tokens, request.num_output_tokens)
+            planned = request.planned_service_s
+            full = self.steps_needed(request.num_prompt_tokens, request.max_tokens)
+            expected = planned * steps / full if planned and full else steps * step
+            self._ratios.append((now - start) / expected)
 
     @staticmethod
     def queue_key(request: Request) -> float:
