@@ -171,6 +171,9 @@ class Probes:
         self.lib = build(probe_source(), PROBE_NAMES, "probes")
 
     def launch(self, name: str, grid, block, args, smem_bytes: int = 0) -> None:
+        # no range check for the probes: clear what a Simulator launch left (g_ranges, an inline variable, is one
+        # STB_GNU_UNIQUE object shared by every emulator library in the process)
+        self.lib.simt_set_ranges((ctypes.c_uint64 * 1)(), 0)
         run(getattr(self.lib, f"simt_entry_{PROBE_NAMES.index(name)}"), name, grid, block, args, smem_bytes,
             self.workers, self.seed)
 
