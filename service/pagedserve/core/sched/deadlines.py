@@ -10,8 +10,8 @@ step, and when a request arrives, every waiting request that was never admitted 
   only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + (prefill
   steps + max_tokens) * step time * slowdown > deadline``, where the step time is the mean wall time of the
   executor's recent steps (:class:`StepTimer`; each step advances every running request by one token, and a
-  prompt needs ``ceil(prompt / long_prefill_token_threshold)`` steps) and the slowdown the 90th percentile of how
-  much longer recent admitted requests took than that (:attr:`DeadlinePolicy.slowdown`), or
+  prompt needs ``ceil(prompt / long_prefill_token_threshold)`` steps) and the slowdown how much longer recent
+  admitted requests took than planned, with headroom (:attr:`DeadlinePolicy.slowdown`), or
 - it has no deadline and has waited ``max_queue_time_s`` (``--max-queue-time-s``).
 
 Such a request is refused with :class:`~pagedserve.errors.DeadlineError` (gRPC DEADLINE_EXCEEDED with a
@@ -31,7 +31,6 @@ from ...request import Request
 STEP_WINDOW = 64   # steps the measured step time averages over
 SLOWDOWN_WINDOW = 32   # admitted requests whose service time calibrates the estimate
 SLOWDOWN_MIN_SAMPLES = 8
-SLOWDOWN_QUANTILE = 1.0   # the slowest of the window
 SLOWDOWN_HEADROOM = 1.1   # beyond it: a burst of admissions slows the next requests before any of them ends
 
 
@@ -96,25 +95,28 @@ class DeadlinePolicy:
 
     @property
     def slowdown(self) -> float:
-        """How much longer admitted requests took than ``steps x`` the measured step time: the largest ratio over
-        the last :data:`SLOWDOWN_WINDOW` admitted requests that ended (1.0 until :data:`SLOWDOWN_MIN_SAMPLES` did),
+        """How much longer admitted requests took than planned (:meth:`on_finished`): the largest ratio over the
+        last :data:`SLOWDOWN_WINDOW` admitted requests that ended (1.0 until :data:`SLOWDOWN_MIN_SAMPLES` did),
         times :data:`SLOWDOWN_HEADROOM`. It covers what the mean step misses: a request's own prefill step is
         longer than the mean, and requests admitted after it add their prompts to its steps (bench/deadlines.py:
         admitted requests take up to 1.25x the plain estimate in bursts, and the window learns a burst only as its
         requests end)."""
-        if len(self._ratios) < SLOWDOWN_MIN_SAMPLES:
-            return SLOWDOWN_HEADROOM
-        ordered = sorted(self._ratios)
-        return SLOWDOWN_HEADROOM * ordered[min(len(ordered) - 1, int(SLOWDOWN_QUANTILE * len(ordered)))]
+        worst = max(self._ratios) if len(self._ratios) >= SLOWDOWN_MIN_SAMPLES else 1.0
+        return SLOWDOWN_HEADROOM * worst
 
-    def estimated_service_s(self, request: Request) -> float | None:
-        """Seconds ``request`` needs from admission to its last token: :meth:`steps_needed` x the measured step
-        time x :attr:`slowdown` (None before the first measured step)."""
+    def planned_service_s(self, request: Request) -> float | None:
+        """The plain estimate of the seconds ``request`` needs from admission to its last token:
+        :meth:`steps_needed` x the measured step time (None before the first measured step)."""
         if self.timer.step_s is None:
             return None
         steps = self.steps_needed(request.num_tokens - request.num_computed_tokens,
                                   request.max_tokens - request.num_output_tokens)
-        return steps * self.timer.step_s * self.slowdown
+        return steps * self.timer.step_s
+
+    def estimated_service_s(self, request: Request) -> float | None:
+        """:meth:`planned_service_s` x :attr:`slowdown` (None before the first measured step)."""
+        planned = self.planned_service_s(request)
+        return None if planned is None else planned * self.slowdown
 
     def refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
         """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run
@@ -144,9 +146,11 @@ class DeadlinePolicy:
         # Only with an explicit max_tokens (the default, the room left in the context, is a cap that EOS usually
         # ends long before), and while requests run (an idle engine runs it at once, at its best speed).
         explicit = request.params.max_tokens is not None
-        need = self.estimated_service_s(request) if running and explicit else None
-        if need is not None:   # what on_finished compares the service time with (the last check's, unscaled)
-            request.planned_service_s = need / self.slowdown
+        planned = self.planned_service_s(request) if running and explicit else None
+        need = None
+        if planned is not None:   # what on_finished compares the service time with: the last check's
+            request.planned_service_s = planned
+            need = planned * self.slowdown
         if need is not None and need > left:
             self.stats.refused_infeasible += 1
             return DeadlineError(

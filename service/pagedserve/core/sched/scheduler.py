@@ -112,14 +112,17 @@ class Scheduler:
             self.forks.release(self.add_request)
         out = StepPlan()
         budget = self.max_num_batched_tokens
+        head = self._waiting.head()
         fair = all(r.gang is None for r in self.running) and \
-            self.fairness.prefill_order(self.running, self._waiting.head())  # several callers: None when the plain order stands
+            self.fairness.prefill_order(self.running, head)  # several callers: None when the plain order stands
         self.running = fair or self.running
-        if fair and (seat := self.fairness.seat_victim(self._waiting.head(), self.running, self.max_num_seqs)):
+        if fair and (seat := self.fairness.seat_victim(head, self.running, self.max_num_seqs)):
             self.running.remove(seat)      # a seat for a caller below its share (not for memory), and the
             self._preempt_one(seat, out)   # request back in its arrival place, not ahead of the others
             self._waiting.push(seat)
-        self._solo = fair and self.fairness.solo_prefill(self._waiting.head(), self.running, self.max_num_seqs)
+            head = self._waiting.head()
+        self._solo = fair and self.fairness.solo_prefill(head, self.running, self.max_num_seqs)
+        seated = len(out.preempted)                      # preempted for a seat, not for memory
         admitted: set[int] = set()                       # ids of requests admitted mid-loop (already scheduled)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -161,7 +164,7 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing after it can be running
         self.fairness.charge_scheduled([x for x in out.scheduled if id(x.request) not in admitted])
-        if len(out.preempted) == (1 if fair and seat else 0):   # nothing preempted for memory
+        if len(out.preempted) == seated:                 # nothing preempted for memory
             budget = self._admit_waiting(out, budget)
         return self._emit(out, self.max_num_batched_tokens - budget)
 
@@ -264,8 +267,7 @@ class Scheduler:
         return budget
 
     def insert_member(self, parent: Request, child: Request) -> None:
-        """Put a new gang member forked from running ``parent`` (its blocks already shared) right after it in
-        running."""
+        """Put a new gang member forked from ``parent`` (its blocks already shared) right after it in running."""
         child.status = RequestStatus.RUNNING
         self._arrived(child)
         self.running.insert(self.running.index(parent) + 1, child)
@@ -373,8 +375,7 @@ class Scheduler:
         self.kv_cache.trim(request, request.num_tokens)
 
     def late_waiting(self, now: float) -> list[tuple[Request, Exception]]:
-        """Waiting requests the deadline policy refuses at ``now``, each with its DeadlineError
-        (:meth:`.waiting.WaitingQueue.late`); the engine finishes them."""
+        """Waiting requests refused at ``now``, with their DeadlineError (:meth:`.waiting.WaitingQueue.late`)."""
         return self._waiting.late(now, self.running)
 
     # ---- removal -----------------------------------------------------------------------------------------------
@@ -385,8 +386,7 @@ class Scheduler:
         return self.text.finish(request, flush) if self.text is not None else ""
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request from wherever it is (running, waiting, or not queued yet) and free its blocks.
-        Safe to call twice."""
+        """Remove a request from wherever it is (running, waiting, not queued) and free its blocks; idempotent."""
         if request.is_finished:
             return
         if request.status == RequestStatus.RUNNING:
