@@ -90,8 +90,8 @@ class DecoderAttention(nn.Module):
             k = ew.rms_norm(qkv[:, self.q_size:qk_size].contiguous(), self.k_norm, self.eps)[0]
             qk = torch.cat([q, k], dim=-1).view(T, H + Hk, D)
         else:
-            (_, q_total, _), (_, k_total, k_copies) = self.projection_rows
-            q = self._sliced_rms_norm(qkv[:, :self.q_size], self.q_norm, q_total, 1)
+            (_, q_total, q_copies), (_, k_total, k_copies) = self.projection_rows
+            q = self._sliced_rms_norm(qkv[:, :self.q_size], self.q_norm, q_total, q_copies)
             k = self._sliced_rms_norm(qkv[:, self.q_size:qk_size], self.k_norm, k_total, k_copies)
             qk = torch.cat([q, k], dim=-1).view(T, H + Hk, D)
         if self.rotary_dim == D:

@@ -108,9 +108,13 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(ExpertMLP(hidden, spec.intermediate_size, spec.expert_bias, spec.swiglu_limit,
                                                spec.swiglu_alpha, tp) for _ in range(spec.num_experts))
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, num_experts]`` in x's dtype: ``x @ gate.T`` (+ the router bias)."""
+        return F.linear(x, self.gate, getattr(self, "gate_bias", None))
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, top_k] in x's dtype, expert ids [T, top_k] int64)`` of each token."""
-        logits = F.linear(x, self.gate, getattr(self, "gate_bias", None))
+        logits = self.router_logits(x)
         if self.softmax_topk:   # gpt-oss (HF GptOssTopKRouter): top-k of the logits, softmax over those k
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1).to(x.dtype), ids
@@ -125,7 +129,7 @@ class SparseMoeBlock(nn.Module):
         logits in float32 (gpt-oss's softmax over the top k too, where :meth:`route` keeps x's dtype)."""
         from ..kernels.moe import moe_topk
 
-        logits = F.linear(x, self.gate, getattr(self, "gate_bias", None)).float().contiguous()
+        logits = self.router_logits(x).float().contiguous()
         weights, ids = moe_topk(logits, self.top_k, not self.softmax_topk, self.norm_topk_prob)
         return weights.to(x.dtype), ids.long()
 
