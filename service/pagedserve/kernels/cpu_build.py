@@ -16,7 +16,7 @@ a time, and 10.5-11.0 s for the old single file. Each ``.cpp`` includes what it 
 that was measured); since the unit is shared, the names in the files' anonymous namespaces must stay distinct.
 
 The ops (``torch.ops.pagedserve_cpu.linear_f32 / linear_q4 / linear_q8 / linear_q4_a8 / linear_q8_a8 /
-paged_decode_attention / reshape_and_cache / rms_norm / rotary_embedding / silu_and_mul / llama_decode_layers``,
+paged_attention / paged_decode_attention / reshape_and_cache / rms_norm / rotary_embedding / silu_and_mul / llama_decode_layers``,
 formats at their definitions) get fake (meta) implementations so ``torch.compile`` traces through them as opaque
 calls.
 
@@ -151,6 +151,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("pagedserve_cpu::dequantize_q8")(
         lambda codes, scale, group_size: scale.new_empty(codes.shape))
     torch.library.register_fake("pagedserve_cpu::paged_decode_attention")(lambda q, *args: torch.empty_like(q))
+    torch.library.register_fake("pagedserve_cpu::paged_attention")(lambda q, *args, **kw: torch.empty_like(q))
     torch.library.register_fake("pagedserve_cpu::rms_norm")(
         lambda x, weight, eps, residual: (x.new_empty(x.shape),
                                           x.new_empty(x.shape if residual is not None else (0, x.shape[1]))))

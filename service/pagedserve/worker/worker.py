@@ -7,7 +7,6 @@ import torch
 
 from ..attention import select_attention_backend
 from ..attention.base import AttentionBackend, check_features
-from ..attention.cpu import use_bf16_prefill_attention
 from ..config import EngineConfig
 from ..outputs import ModelRunnerOutput
 from ..scheduler_output import SchedulerOutput
@@ -40,7 +39,6 @@ class Worker:
         self.rank = rank
         if backend is None:
             backend = select_attention_backend(config.attention_backend, self.device)
-            use_bf16_prefill_attention(backend, model)
         check_features(backend, getattr(model, "attention_features", dict)())
         self.backend = backend
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype or model.norm.dtype, self.device)

@@ -1,282 +1,297 @@
+// Paged attention on CPU for every query row of a step, prefill chunks and decodes alike, read in place from the
+// paged KV cache through the block table (PagedAttention, Kwon et al., SOSP 2023): out[r, h] = softmax(scale * q[r, h]
+// . K[:, h / G]) V[:, h / G] over the keys its row sees (causal: positions up to its own; a sliding window W: the last
+// W of them, transformers' sliding_window), G = H / Hkv query heads per KV head (GQA).
+//
+// Batch-invariant by construction (attention_lanes.hpp): a row's output is a fixed function of its query and the
+// keys and values it sees, bit for bit the same whether it is a decode or a prefill row, whatever chunk its prompt
+// was cut into, whatever else runs in the step and however the work falls on threads (each lane of a vector is one
+// (row, head) and every operation is lane-wise; the context is cut into splits at fixed absolute positions, merged in
+// order). This is what lets the engine give a request the same tokens alone or beside others (after the
+// batch-invariant kernels of Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025, and vLLM's
+// VLLM_BATCH_INVARIANT mode). 16 lanes (AVX-512F) where the CPU has it, else 8 (AVX2); both give the same values.
+// Soft-capping (Gemma 2): each scaled score s becomes c * tanh(s / c). Attention sinks (gpt-oss): head h's softmax
+// denominator has one more term exp(sinks[h]), a logit with no value row.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <atomic>
+#include <type_traits>
 #include <vector>
 
 #include "cache_types.hpp"
 #include "cpu_types.hpp"
 #include "ops.h"
 
-// Paged decode attention: one query token per sequence against its whole context in the paged KV cache, read in
-// place through the block table (no gather). out[s, h] = softmax(scale * q[s, h] . K[s, :, h / G]) V[s, :, h / G]
-// with G = H / Hkv query heads per KV head (GQA).
-//
-// Work item: (sequence, KV head, context split). The G query heads of a KV head are computed together, a few cache
-// rows at a time, so each K/V row comes from memory once per step and is reused from L1 by the other G - 1 heads.
-// When there are fewer (sequence, KV head) pairs than a few per thread (one or two long requests), each context is
-// cut into splits (flash-decoding, Dao et al. 2023): every split gives per head its score maximum m, its sum of
-// exp(score - m) l and the unnormalised output o = sum exp(score - m) v, and a second pass merges the splits:
-// out = sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p with M = max_p m_p. Softmax in float32 (exp8).
-// With a sliding window W > 0 a sequence of len rows attends to its last min(len, W) rows only (its query sits at
-// position len - 1 and sees positions len - W .. len - 1: transformers' sliding_window), and only those are read.
-// Soft-capping (Gemma 2): with softcap c > 0 each scaled score s becomes c * tanh(s / c) before the softmax.
-// Attention sinks (gpt-oss): with sinks, head h's softmax denominator has one more term exp(sinks[h]), a logit with
-// no value row (the sink takes probability mass and gives nothing back): out = sum exp(s - M) v / (sum exp(s - M) +
-// exp(sinks[h] - M)), M the maximum over the scores and the sink.
-
 namespace pagedserve::cpu {
 namespace {
 
-constexpr int64_t kMinSplitTokens = 64;   // a split shorter than this costs more in merging than it balances
+constexpr int64_t kSplitKeys = 256;   // keys per split, at absolute positions (the flash-decoding unit)
 
 template <class C>
-struct DecodeArgs {
-  const float* q;
-  const C *k, *v;
-  const int32_t *tables, *lens;
+struct AttnArgs {
+  const float* q;   // [T, H, D]
+  const C *k, *v;   // [blocks, block_size, Hkv, D]
+  const int32_t* tables;
   int64_t H, Hkv, D, block_size, max_blocks;
   float scale;
   float softcap;        // 0: none
   const float* sinks;   // [H] or nullptr
 };
 
-// Walks the cache rows [t_lo, t_hi) of sequence s and KV head kvh a block run at a time: f(first row, rows, offset
-// of the run from t_lo); consecutive rows of a run are row_stride = Hkv * D elements apart.
-template <class C, class F>
-inline void for_each_run(const DecodeArgs<C>& a, const C* cache, int64_t s, int64_t kvh, int64_t t_lo, int64_t t_hi,
-                         F&& f) {
-  const int32_t* table = a.tables + s * a.max_blocks;
-  const int64_t bs = a.block_size;
-  for (int64_t t = t_lo; t < t_hi;) {
-    const int64_t off = t % bs, n = std::min(bs - off, t_hi - t);
-    f(cache + ((static_cast<int64_t>(table[t / bs]) * bs + off) * a.Hkv + kvh) * a.D, n, t - t_lo);
-    t += n;
+// 8 lanes: AVX2 + FMA (the build's baseline).
+struct Avx2Lanes {
+  using V = __m256;
+  static constexpr int W = 8;
+  static constexpr int kSlab = 8;   // value dimensions per register slab (accumulators)
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V exp(V x) { return exp8(x); }
+  // x where cond is not -inf, else 0
+  static V zero_where_neg_inf(V x, V cond) {
+    return _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_cmp_ps(cond, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
   }
-}
-
-// The G = H / Hkv heads of KV head kvh of sequence s over context rows [t_lo, t_hi) (non-empty): m[g], l[g] and the
-// unnormalised o[g * D : (g + 1) * D]. DV = D / 8 vectors per row (DV = 0: D read at run time); C the cache type.
-// scores: scratch, resized to G * (t_hi - t_lo).
-template <int DV, class C>
-void decode_group(const DecodeArgs<C>& a, int64_t s, int64_t kvh, int64_t t_lo, int64_t t_hi,
-                  std::vector<float>& scores, float* o, float* m, float* l) {
-  const int64_t D = DV ? DV * 8 : a.D, nv = D / 8, G = a.H / a.Hkv, n_ctx = t_hi - t_lo;
-  const int64_t row_stride = a.Hkv * D;
-  const float* q0 = a.q + (s * a.H + kvh * G) * D;
-  scores.resize(G * n_ctx);
-  float* sc = scores.data();
-  const __m128 scale4 = _mm_set1_ps(a.scale);
-  for_each_run(a, a.k, s, kvh, t_lo, t_hi, [&](const C* k0, int64_t n, int64_t at) {
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {   // four rows at a time (one reduction for four scores), every head on them
-      const C* kr = k0 + i * row_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qh = q0 + g * D;
-        __m256 acc[4];
-        for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < nv; ++d) {
-          const __m256 qv = _mm256_loadu_ps(qh + 8 * d);
-          for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(kr + j * row_stride + 8 * d), acc[j]);
-        }
-        _mm_storeu_ps(sc + g * n_ctx + at + i, _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), scale4));
-      }
-    }
-    for (; i < n; ++i) {
-      const C* kr = k0 + i * row_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qh = q0 + g * D;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < nv; ++d) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * d), load8(kr + 8 * d), acc);
-        sc[g * n_ctx + at + i] = hsum(acc) * a.scale;
-      }
-    }
-  });
-  if (a.softcap > 0.0f) {   // Gemma 2's soft-capping of the scaled scores
-    const float inv_cap = 1.0f / a.softcap;
-    for (int64_t i = 0; i < G * n_ctx; ++i) sc[i] = a.softcap * std::tanh(sc[i] * inv_cap);
+  // s where lo <= j < hi, else -inf
+  static V mask_outside(V s, float j, V lo, V hi) {
+    const V jv = _mm256_set1_ps(j);
+    const V in = _mm256_and_ps(_mm256_cmp_ps(jv, lo, _CMP_GE_OQ), _mm256_cmp_ps(jv, hi, _CMP_LT_OQ));
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, in);
   }
-  for (int64_t g = 0; g < G; ++g) {   // softmax numerators in place: exp(score - m)
-    float* row = sc + g * n_ctx;
-    __m256 mx8 = _mm256_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 8 <= n_ctx; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(row + t));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, mx8);
-    float mx = *std::max_element(lanes, lanes + 8);
-    for (; t < n_ctx; ++t) mx = std::max(mx, row[t]);
-    const __m256 mxv = _mm256_set1_ps(mx);
-    __m256 sum8 = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= n_ctx; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), mxv));
-      _mm256_storeu_ps(row + t, e);
-      sum8 = _mm256_add_ps(sum8, e);
-    }
-    float sum = hsum(sum8);
-    for (; t < n_ctx; ++t) {
-      row[t] = std::exp(row[t] - mx);
-      sum += row[t];
-    }
-    m[g] = mx;
-    l[g] = sum;
-  }
-  std::fill_n(o, G * D, 0.0f);
-  for_each_run(a, a.v, s, kvh, t_lo, t_hi, [&](const C* v0, int64_t n, int64_t at) {
-    for (int64_t g = 0; g < G; ++g) {   // the run's V rows (at most a block) stay in L1 across the heads
-      const float* p = sc + g * n_ctx + at;
-      float* og = o + g * D;
-      for (int64_t d0 = 0; d0 < nv; d0 += 8) {   // up to 8 output vectors in registers
-        const int64_t mv = std::min<int64_t>(8, nv - d0);
-        __m256 acc[8];
-        for (int j = 0; j < mv; ++j) acc[j] = _mm256_loadu_ps(og + 8 * (d0 + j));
-        const C* vr = v0 + 8 * d0;
-        for (int64_t i = 0; i < n; ++i, vr += row_stride) {
-          const __m256 pv = _mm256_set1_ps(p[i]);
-          if (DV == 8) {
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(pv, load8(vr + 8 * j), acc[j]);
-          } else {
-            for (int j = 0; j < mv; ++j) acc[j] = _mm256_fmadd_ps(pv, load8(vr + 8 * j), acc[j]);
-          }
-        }
-        for (int j = 0; j < mv; ++j) _mm256_storeu_ps(og + 8 * (d0 + j), acc[j]);
-      }
-    }
-  });
-}
-
-template <class C>
-void decode_group_dispatch(const DecodeArgs<C>& a, int64_t s, int64_t kvh, int64_t t_lo, int64_t t_hi,
-                           std::vector<float>& scores, float* o, float* m, float* l) {
-  if (a.D == 64) decode_group<8>(a, s, kvh, t_lo, t_hi, scores, o, m, l);
-  else if (a.D == 128) decode_group<16>(a, s, kvh, t_lo, t_hi, scores, o, m, l);
-  else decode_group<0>(a, s, kvh, t_lo, t_hi, scores, o, m, l);
-}
-
-// Splits per context: 1 when the (sequence, KV head) pairs already give each thread several items; otherwise enough
-// that the items divide evenly over the threads, at least kMinSplitTokens rows each. max_splits > 0 caps it.
-int64_t choose_splits(int64_t pairs, int64_t max_len, int64_t threads, int64_t max_splits) {
-  const int64_t by_len = std::max<int64_t>(1, max_len / kMinSplitTokens);
-  int64_t p = 1;
-  if (pairs < 4 * threads) {
-    p = (4 * threads + pairs - 1) / pairs;
-    for (int64_t extra = 0; extra < threads && (pairs * p) % threads; ++extra) ++p;
-  }
-  p = std::min(p, by_len);
-  return max_splits > 0 ? std::min(p, max_splits) : p;
-}
+};
 
 }  // namespace
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t max_splits, int64_t sliding_window, double softcap,
-                                  const c10::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [S, H, D]");
+#define VT Avx2Lanes
+#define PAGEDSERVE_LANES_NS lanes8
+#include "attention_lanes.hpp"
+#undef VT
+#undef PAGEDSERVE_LANES_NS
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+
+namespace {
+
+// exp8's steps on 16 lanes (the same IEEE operations lane for lane, so the same values).
+inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.7228f), lo = _mm512_set1_ps(-87.3365f);
+  const __m512 xc = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), y, _mm512_set1_ps(INFINITY));
+}
+
+// 16 lanes: AVX-512F, compiled for that target only (this pragma region), run where the CPU reports it.
+struct Avx512Lanes {
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int kSlab = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V exp(V x) { return exp16(x); }
+  static V zero_where_neg_inf(V x, V cond) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(cond, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), x,
+                                _mm512_setzero_ps());
+  }
+  static V mask_outside(V s, float j, V lo, V hi) {
+    const V jv = _mm512_set1_ps(j);
+    const __mmask16 in = _mm512_cmp_ps_mask(jv, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(jv, hi, _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(in, _mm512_set1_ps(-INFINITY), s);
+  }
+};
+
+}  // namespace
+
+#define VT Avx512Lanes
+#define PAGEDSERVE_LANES_NS lanes16
+#include "attention_lanes.hpp"
+#undef VT
+#undef PAGEDSERVE_LANES_NS
+
+#pragma GCC pop_options
+
+namespace {
+
+bool attention_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
+// The rows of one call: row r belongs to sequence row_seq[r] and sits at absolute position row_pos[r] (rows of a
+// sequence consecutive); a row with row_seq -1 is padding (output zeros).
+struct RowPlan {
+  std::vector<int32_t> seq, pos;
+};
+
+template <class Tile>
+std::vector<Tile> make_tiles(const RowPlan& rows, int64_t H, int64_t Hkv, int64_t window, int lanes) {
+  const int64_t T = static_cast<int64_t>(rows.seq.size()), G = H / Hkv;
+  const int64_t heads_per_tile = std::min<int64_t>(G, lanes), rows_per_tile = std::max<int64_t>(1, lanes / G);
+  std::vector<Tile> tiles;
+  for (int64_t r0 = 0; r0 < T;) {
+    if (rows.seq[r0] < 0) { ++r0; continue; }
+    int64_t r1 = r0 + 1;
+    while (r1 < T && r1 - r0 < rows_per_tile && rows.seq[r1] == rows.seq[r0]) ++r1;
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+      for (int64_t g0 = 0; g0 < G; g0 += heads_per_tile) {
+        Tile t{};
+        t.seq = rows.seq[r0];
+        t.kvh = kvh;
+        t.key_lo = INT64_MAX;
+        t.key_hi = 0;
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t g = g0; g < std::min(G, g0 + heads_per_tile); ++g) {
+            const int64_t l = t.lanes++, hi = rows.pos[r] + 1, lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
+            t.out_row[l] = r;
+            t.out_head[l] = kvh * G + g;
+            t.lo[l] = static_cast<float>(lo);
+            t.hi[l] = static_cast<float>(hi);
+            t.key_lo = std::min(t.key_lo, lo);
+            t.key_hi = std::max(t.key_hi, hi);
+          }
+        tiles.push_back(t);
+      }
+    r0 = r1;
+  }
+  return tiles;
+}
+
+// Splits run as items of their own (then merged) when the tiles alone would leave threads idle: fewer than a few
+// tiles per thread, some context of two splits or more. The values do not depend on it.
+template <class Tile>
+bool use_split_items(const std::vector<Tile>& tiles, int64_t max_splits) {
+  if (max_splits == 1) return false;
+  int64_t longest = 0;
+  for (const Tile& t : tiles) longest = std::max(longest, (t.key_hi + kSplitKeys - 1) / kSplitKeys - t.key_lo / kSplitKeys);
+  return longest >= 2 && static_cast<int64_t>(tiles.size()) < 4 * at::get_num_threads();
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const RowPlan& rows, double scale, int64_t max_splits,
+                  int64_t sliding_window, double softcap, const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && is_cache_type(k_cache.scalar_type()) && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   v_cache.is_contiguous(),
               "k_cache, v_cache must be contiguous float32, float16 or bfloat16 [blocks, block_size, Hkv, D] "
               "of one dtype");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
-              "block_tables must be contiguous int32 [S, max_blocks]");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt, "context_lens must be int32 [S]");
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), max_blocks = block_tables.size(1);
+              "block_tables must be contiguous int32 [B, max_blocks]");
+  const int64_t H = q.size(1), D = q.size(2), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t max_blocks = block_tables.size(1), num_blocks = k_cache.size(0), B = block_tables.size(0);
   TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.size(0) == S && context_lens.size(0) == S, "one block table row and length per sequence");
   TORCH_CHECK(max_splits >= 0, "max_splits must be >= 0 (0: chosen by the kernel)");
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: no window)");
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
-  TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
-                                     sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
+  TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == H && sinks->scalar_type() == at::kFloat &&
+                                     sinks->is_contiguous()),
               "sinks must be contiguous float32 [H]");
-  const float* sinks_p = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  const at::Tensor lens_tensor = context_lens.contiguous();   // kept alive: lens points into it
-  const int32_t* lens = lens_tensor.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  // The first row each sequence attends to: 0, or with a window the first row inside it.
-  auto first_row = [&](int64_t s) -> int64_t {
-    return sliding_window > 0 ? std::max<int64_t>(0, lens[s] - sliding_window) : 0;
-  };
-  const int64_t num_blocks = k_cache.size(0);
-  for (int64_t s = 0; s < S; ++s) {   // the blocks read: those holding rows [first_row, len)
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context length out of range for sequence ", s);
-    for (int64_t b = first_row(s) / block_size; b < (lens[s] + block_size - 1) / block_size; ++b)
+  for (size_t r = 0; r < rows.seq.size(); ++r) {   // the blocks read: those holding the keys the row sees
+    const int64_t s = rows.seq[r];
+    if (s < 0) continue;
+    TORCH_CHECK(s < B, "sequence index out of range for row ", r);
+    const int64_t hi = rows.pos[r] + 1, lo = sliding_window > 0 ? std::max<int64_t>(0, hi - sliding_window) : 0;
+    TORCH_CHECK(rows.pos[r] >= 0 && hi <= max_blocks * block_size, "context length out of range for row ", r);
+    for (int64_t b = lo / block_size; b < (hi + block_size - 1) / block_size; ++b)
       TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
                   "block id out of range for sequence ", s);
   }
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < S; ++s) max_len = std::max<int64_t>(max_len, lens[s] - first_row(s));
-  const int64_t G = H / Hkv, pairs = S * Hkv;
-  const int64_t P = choose_splits(pairs, max_len, at::get_num_threads(), max_splits);
-  // With P > 1, split p of the rows [first, len) covers [first + p * chunk, min(len, first + (p + 1) * chunk)), chunk =
-  // ceil((len - first) / P) rounded up to whole cache blocks; a split past the end is empty (l = 0) and drops out of
-  // the merge.
-  std::vector<float> partial(P > 1 ? pairs * P * G * (D + 2) : 0);
-  AT_DISPATCH_SWITCH(k_cache.scalar_type(), "paged_decode_attention", PAGEDSERVE_CACHE_TYPE_CASES([&] {
-    const DecodeArgs<scalar_t> args{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                    tables, lens, H, Hkv, D, block_size, max_blocks, static_cast<float>(scale),
-                                    static_cast<float>(softcap), sinks_p};
-    float* out_p = out.data_ptr<float>();
-    at::parallel_for(0, pairs * P, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, o(P > 1 ? 0 : G * D), ml(P > 1 ? 0 : 2 * G);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t pair = item / P, p = item % P, s = pair / Hkv, kvh = pair % Hkv, len = lens[s];
-        const int64_t first = first_row(s);
-        if (P == 1) {
-          decode_group_dispatch(args, s, kvh, first, len, scores, o.data(), ml.data(), ml.data() + G);
-          for (int64_t g = 0; g < G; ++g) {
-            float w = 1.0f, denom = ml[G + g];
-            if (sinks_p) {   // M = max(m, sink): o and l are relative to m
-              const float m = ml[g], sink = sinks_p[kvh * G + g], mx = std::max(m, sink);
-              w = std::exp(m - mx);
-              denom = w * denom + std::exp(sink - mx);
-            }
-            const float inv = w / denom;
-            float* dst = out_p + (s * H + kvh * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = o[g * D + d] * inv;
-          }
-          continue;
-        }
-        float* rec = partial.data() + item * G * (D + 2);   // [m (G), l (G), o (G x D)]
-        const int64_t chunk = ((len - first + P - 1) / P + block_size - 1) / block_size * block_size;
-        const int64_t lo = std::min(len, first + p * chunk), hi = std::min(len, lo + chunk);
-        if (lo == hi) {
-          std::fill_n(rec, G, -INFINITY);
-          std::fill_n(rec + G, G, 0.0f);
-          continue;
-        }
-        decode_group_dispatch(args, s, kvh, lo, hi, scores, rec + 2 * G, rec, rec + G);
-      }
-    });
-    if (P > 1) {
-      at::parallel_for(0, S * H, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t sh = begin; sh < end; ++sh) {
-          const int64_t s = sh / H, h = sh % H, kvh = h / G, g = h % G;
-          const float* base = partial.data() + (s * Hkv + kvh) * P * G * (D + 2);
-          float mx = -INFINITY;
-          for (int64_t p = 0; p < P; ++p) mx = std::max(mx, base[p * G * (D + 2) + g]);
-          if (sinks_p) mx = std::max(mx, sinks_p[h]);
-          float denom = sinks_p ? std::exp(sinks_p[h] - mx) : 0.0f;
-          float* dst = out_p + sh * D;
-          std::fill_n(dst, D, 0.0f);
-          for (int64_t p = 0; p < P; ++p) {
-            const float* rec = base + p * G * (D + 2);
-            if (rec[G + g] == 0.0f) continue;   // an empty split
-            const float w = std::exp(rec[g] - mx);
-            denom += w * rec[G + g];
-            const float* op = rec + 2 * G + g * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] += w * op[d];
-          }
-          const float inv = 1.0f / denom;
-          for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
-        }
-      });
+  at::Tensor out = at::zeros(q.sizes(), q.options());
+  const float* sinks_p = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  AT_DISPATCH_SWITCH(k_cache.scalar_type(), "paged_attention", PAGEDSERVE_CACHE_TYPE_CASES([&] {
+    const AttnArgs<scalar_t> args{q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                  tables, H, Hkv, D, block_size, max_blocks, static_cast<float>(scale),
+                                  static_cast<float>(softcap), sinks_p};
+    if (attention_avx512()) {
+      const auto tiles = make_tiles<lanes16::Tile>(rows, H, Hkv, sliding_window, 16);
+      lanes16::run(args, tiles, use_split_items(tiles, max_splits), out.data_ptr<float>());
+    } else {
+      const auto tiles = make_tiles<lanes8::Tile>(rows, H, Hkv, sliding_window, 8);
+      lanes8::run(args, tiles, use_split_items(tiles, max_splits), out.data_ptr<float>());
     }
   }));
   return out;
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,
+                           const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
+                  context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt &&
+                  query_start_loc.size(0) == context_lens.size(0) + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == context_lens.size(0),
+              "query_start_loc must be int32 [B + 1], context_lens int32 [B], block_tables [B, max_blocks]");
+  TORCH_CHECK(q.dim() == 3, "q must be float32 [T, H, D]");
+  const at::Tensor qsl = query_start_loc.contiguous(), lens = context_lens.contiguous();
+  const int32_t *qs = qsl.data_ptr<int32_t>(), *cl = lens.data_ptr<int32_t>();
+  const int64_t B = lens.size(0), T = q.size(0);
+  TORCH_CHECK(qs[0] == 0 && qs[B] <= T, "query_start_loc must start at 0 and end at most at T");
+  RowPlan rows{std::vector<int32_t>(T, -1), std::vector<int32_t>(T, 0)};
+  for (int64_t s = 0; s < B; ++s) {
+    const int64_t n = qs[s + 1] - qs[s];
+    TORCH_CHECK(n >= 0 && cl[s] >= n, "sequence ", s, ": query_len ", n, " must be within 0..context_len ", cl[s]);
+    for (int64_t i = 0; i < n; ++i) {
+      rows.seq[qs[s] + i] = static_cast<int32_t>(s);
+      rows.pos[qs[s] + i] = static_cast<int32_t>(cl[s] - n + i);
+    }
+  }
+  return attend(q, k_cache, v_cache, block_tables, rows, scale, 0, sliding_window, softcap, sinks);
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t max_splits, int64_t sliding_window, double softcap,
+                                  const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 3, "q must be float32 [S, H, D]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt, "context_lens must be int32 [S]");
+  const int64_t S = q.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S && context_lens.size(0) == S,
+              "one block table row and length per sequence");
+  const at::Tensor lens = context_lens.contiguous();
+  const int32_t* cl = lens.data_ptr<int32_t>();
+  RowPlan rows{std::vector<int32_t>(S), std::vector<int32_t>(S)};
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(cl[s] >= 1, "context length out of range for sequence ", s);
+    rows.seq[s] = static_cast<int32_t>(s);
+    rows.pos[s] = cl[s] - 1;
+  }
+  return attend(q, k_cache, v_cache, block_tables, rows, scale, max_splits, sliding_window, softcap, sinks);
 }
 
 }  // namespace pagedserve::cpu

@@ -1,0 +1,236 @@
+// The body of paged_attention (attention.cpp), written once over a vector type VT and included twice: with VT =
+// Avx2Lanes (8 lanes) in namespace lanes8, and with VT = Avx512Lanes (16 lanes) under the AVX-512 target pragma in
+// namespace lanes16. No include guard: it is meant to be included once per vector type.
+//
+// One lane is one (query row, query head). A tile is up to W lanes of one sequence and one KV head: R consecutive
+// rows of the sequence times the G = H / Hkv query heads of the KV head (G > W: the heads in groups of W). Every
+// operation below is lane-wise, so a lane's result is the same function of its query, its keys and its values
+// whatever else shares its tile, its step or its thread; between the 8- and 16-lane builds the lane-wise IEEE
+// operations are the same too. Per lane, keys [lo, hi) (hi = position + 1; lo = hi - window, or 0):
+//   the context in splits of kSplitKeys keys at absolute positions (split s: keys [s * 256, s * 256 + 256));
+//   per split, two passes: s_j = (fma chain over d = 0..D-1 of q[d] * k_j[d], from 0) * scale (softcapped:
+//   c * tanh(s / c)), -inf outside [lo, hi); m = max_j s_j; p_j = exp(s_j - m) (0 where m is -inf); l = sum_j p_j in
+//   key order; o[d] = fma chain over j in key order of p_j * v_j[d], from 0;
+//   the splits merged in order from (m, l, o) = (-inf, 0, 0): M' = max(M, m), a = exp(M - M'), b = exp(m - M') (0 for
+//   a -inf side), L = L * a + l * b, O = O * a + o * b;
+//   with sinks, M'' = max(M, sink), L = L * exp(M - M'') + exp(sink - M''), O *= exp(M - M''); out = O * (1 / L).
+// A split's partial state depends on that split's keys only, so splits may run on different threads (decode of a few
+// long sequences) and be merged afterwards with the same result as one thread running them in turn.
+
+namespace PAGEDSERVE_LANES_NS {
+
+using V = VT::V;
+constexpr int W = VT::W;
+
+// One tile: the lanes' queries transposed (qt[d * W + lane]), their key bounds, the sequence's block table.
+struct Tile {
+  int64_t seq, kvh, lanes;
+  int64_t key_lo, key_hi;   // the union of the lanes' key ranges
+  int64_t out_row[W], out_head[W];
+  float lo[W], hi[W];       // per lane; unused lanes have lo = hi = 0 (every key masked)
+};
+
+// Rows of keys [j0, j1) of the tile's KV head as float32 pointers: into the cache for float32, else widened into buf.
+template <class C>
+void key_rows(const AttnArgs<C>& a, const C* cache, const Tile& t, int64_t j0, int64_t j1, float* buf,
+              const float** rows) {
+  const int32_t* table = a.tables + t.seq * a.max_blocks;
+  for (int64_t j = j0; j < j1; ++j) {
+    const C* src = cache + ((static_cast<int64_t>(table[j / a.block_size]) * a.block_size + j % a.block_size) * a.Hkv +
+                            t.kvh) * a.D;
+    if constexpr (std::is_same_v<C, float>) {
+      rows[j - j0] = src;
+    } else {
+      float* dst = buf + (j - j0) * a.D;
+      for (int64_t d = 0; d < a.D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+      rows[j - j0] = dst;
+    }
+  }
+}
+
+// Scores of keys [0, n) (rows[j]) for the tile's lanes into sc[j * W + lane], 8 keys at a time (8 independent fma
+// chains); the masked ones -inf. j0: the absolute position of key 0.
+inline void scores(const float* qt, int64_t D, const float* const* rows, int64_t n, int64_t j0, const Tile& t,
+                   float scale, float softcap, float* sc) {
+  const V lo = VT::load(t.lo), hi = VT::load(t.hi), sv = VT::set1(scale);
+  for (int64_t j = 0; j < n; j += 8) {
+    const float* r[8];
+    for (int i = 0; i < 8; ++i) r[i] = rows[std::min<int64_t>(j + i, n - 1)];   // past n: a repeat, dropped
+    V acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = VT::zero();
+    for (int64_t d = 0; d < D; ++d) {
+      const V qv = VT::load(qt + d * W);
+      for (int i = 0; i < 8; ++i) acc[i] = VT::fma(qv, VT::set1(r[i][d]), acc[i]);
+    }
+    for (int i = 0; i < 8 && j + i < n; ++i) {
+      V s = VT::mul(acc[i], sv);
+      if (softcap > 0.0f) {
+        alignas(64) float tmp[W];
+        VT::store(tmp, s);
+        for (int l = 0; l < W; ++l) tmp[l] = softcap * std::tanh(tmp[l] / softcap);
+        s = VT::load(tmp);
+      }
+      VT::store(sc + (j + i) * W, VT::mask_outside(s, static_cast<float>(j0 + j + i), lo, hi));
+    }
+  }
+}
+
+// o[d * W + lane] = sum_j p[j * W + lane] * rows[j][d] for d in [d0, d0 + NA), keys in order.
+template <int NA>
+inline void pv_slab(const float* p, const float* const* rows, int64_t n, int64_t d0, float* o) {
+  V acc[NA];
+  for (int i = 0; i < NA; ++i) acc[i] = VT::zero();
+  for (int64_t j = 0; j < n; ++j) {
+    const V pj = VT::load(p + j * W);
+    const float* r = rows[j] + d0;
+    for (int i = 0; i < NA; ++i) acc[i] = VT::fma(pj, VT::set1(r[i]), acc[i]);
+  }
+  for (int i = 0; i < NA; ++i) VT::store(o + (d0 + i) * W, acc[i]);
+}
+
+// Per-thread buffers for one tile's split.
+struct Scratch {
+  std::vector<float> qt, sc, kbuf, vbuf;
+  std::vector<const float*> krows, vrows;
+  void reserve(int64_t D) {
+    qt.resize(D * W);
+    sc.resize(kSplitKeys * W);
+    kbuf.resize(kSplitKeys * D);
+    vbuf.resize(kSplitKeys * D);
+    krows.resize(kSplitKeys);
+    vrows.resize(kSplitKeys);
+  }
+};
+
+// Split s of the tile: m[W], l[W], o[D * W] (lane-minor).
+template <class C>
+void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, float* m, float* l, float* o) {
+  const int64_t j0 = std::max(t.key_lo, s * kSplitKeys), j1 = std::min(t.key_hi, (s + 1) * kSplitKeys), n = j1 - j0;
+  if (n <= 0) {
+    VT::store(m, VT::set1(-INFINITY));
+    VT::store(l, VT::zero());
+    std::fill_n(o, a.D * W, 0.0f);
+    return;
+  }
+  key_rows(a, a.k, t, j0, j1, w.kbuf.data(), w.krows.data());
+  scores(w.qt.data(), a.D, w.krows.data(), n, j0, t, a.scale, a.softcap, w.sc.data());
+  float* sc = w.sc.data();
+  V mx = VT::set1(-INFINITY);
+  for (int64_t j = 0; j < n; ++j) mx = VT::max(mx, VT::load(sc + j * W));
+  const V msafe = VT::zero_where_neg_inf(mx, mx);
+  V sum = VT::zero();
+  for (int64_t j = 0; j < n; ++j) {
+    const V p = VT::exp(VT::sub(VT::load(sc + j * W), msafe));
+    VT::store(sc + j * W, p);
+    sum = VT::add(sum, p);
+  }
+  VT::store(m, mx);
+  VT::store(l, sum);
+  key_rows(a, a.v, t, j0, j1, w.vbuf.data(), w.vrows.data());
+  int64_t d0 = 0;
+  for (; d0 + VT::kSlab <= a.D; d0 += VT::kSlab) pv_slab<VT::kSlab>(sc, w.vrows.data(), n, d0, o);
+  for (; d0 < a.D; d0 += 8) pv_slab<8>(sc, w.vrows.data(), n, d0, o);
+}
+
+// (M, L, O) <- merge with a split's (m, l, o).
+inline void merge(float* M, float* L, float* O, const float* m, const float* l, const float* o, int64_t D) {
+  const V Mo = VT::load(M), ms = VT::load(m), Mn = VT::max(Mo, ms);
+  const V ea = VT::zero_where_neg_inf(VT::exp(VT::sub(Mo, VT::zero_where_neg_inf(Mn, Mn))), Mo);
+  const V eb = VT::zero_where_neg_inf(VT::exp(VT::sub(ms, VT::zero_where_neg_inf(Mn, Mn))), ms);
+  VT::store(M, Mn);
+  VT::store(L, VT::add(VT::mul(VT::load(L), ea), VT::mul(VT::load(l), eb)));
+  for (int64_t d = 0; d < D; ++d)
+    VT::store(O + d * W, VT::add(VT::mul(VT::load(O + d * W), ea), VT::mul(VT::load(o + d * W), eb)));
+}
+
+// The merged state to out[row, head, :] for the tile's lanes (sinks folded in first).
+template <class C>
+void finish(const AttnArgs<C>& a, const Tile& t, float* M, float* L, float* O, float* out) {
+  V scale_o = VT::set1(1.0f), Lv = VT::load(L);
+  if (a.sinks) {
+    alignas(64) float sk[W];
+    for (int l = 0; l < W; ++l) sk[l] = l < t.lanes ? a.sinks[t.out_head[l]] : 0.0f;
+    const V sv = VT::load(sk), Mv = VT::load(M), Mn = VT::max(Mv, sv);
+    scale_o = VT::zero_where_neg_inf(VT::exp(VT::sub(Mv, Mn)), Mv);
+    Lv = VT::add(VT::mul(Lv, scale_o), VT::exp(VT::sub(sv, Mn)));
+  }
+  const V inv = VT::mul(scale_o, VT::div(VT::set1(1.0f), Lv));
+  alignas(64) float col[W];
+  for (int64_t d = 0; d < a.D; ++d) {
+    VT::store(col, VT::mul(VT::load(O + d * W), inv));
+    for (int64_t l = 0; l < t.lanes; ++l) out[(t.out_row[l] * a.H + t.out_head[l]) * a.D + d] = col[l];
+  }
+}
+
+template <class C>
+void load_queries(const AttnArgs<C>& a, const Tile& t, float* qt) {
+  std::fill_n(qt, a.D * W, 0.0f);
+  for (int64_t l = 0; l < t.lanes; ++l) {
+    const float* q = a.q + (t.out_row[l] * a.H + t.out_head[l]) * a.D;
+    for (int64_t d = 0; d < a.D; ++d) qt[d * W + l] = q[d];
+  }
+}
+
+// The call: tiles over threads (dynamic: largest first); with split_items, (tile, split) items whose states are merged
+// after a second pass.
+template <class C>
+void run(const AttnArgs<C>& a, const std::vector<Tile>& tiles, bool split_items, float* out) {
+  const int64_t nt = static_cast<int64_t>(tiles.size()), D = a.D, rec = (D + 2) * W;
+  std::vector<int64_t> first_split(nt), nsplit(nt), order(nt);
+  int64_t items = 0;
+  for (int64_t i = 0; i < nt; ++i) {
+    first_split[i] = tiles[i].key_lo / kSplitKeys;
+    nsplit[i] = (tiles[i].key_hi + kSplitKeys - 1) / kSplitKeys - first_split[i];
+    order[i] = i;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return tiles[x].key_hi - tiles[x].key_lo > tiles[y].key_hi - tiles[y].key_lo;
+  });
+  std::vector<int64_t> item_base(nt + 1, 0);
+  for (int64_t i = 0; i < nt; ++i) item_base[i + 1] = item_base[i] + (split_items ? nsplit[i] : 1);
+  items = item_base[nt];
+  std::vector<float> partial(split_items ? items * rec : 0);
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    w.reserve(D);
+    std::vector<float> st(rec), tot(rec);
+    for (int64_t k; (k = next.fetch_add(1)) < items;) {
+      if (split_items) {   // item k: a split of some tile, tiles in their own order here (no sort needed)
+        const int64_t ti = std::upper_bound(item_base.begin(), item_base.end(), k) - item_base.begin() - 1;
+        const Tile& t = tiles[ti];
+        float* r = partial.data() + k * rec;
+        load_queries(a, t, w.qt.data());
+        split_state(a, t, first_split[ti] + (k - item_base[ti]), w, r, r + W, r + 2 * W);
+        continue;
+      }
+      const Tile& t = tiles[order[k]];
+      load_queries(a, t, w.qt.data());
+      VT::store(tot.data(), VT::set1(-INFINITY));
+      VT::store(tot.data() + W, VT::zero());
+      std::fill(tot.begin() + 2 * W, tot.end(), 0.0f);
+      for (int64_t s = 0; s < nsplit[order[k]]; ++s) {
+        split_state(a, t, first_split[order[k]] + s, w, st.data(), st.data() + W, st.data() + 2 * W);
+        merge(tot.data(), tot.data() + W, tot.data() + 2 * W, st.data(), st.data() + W, st.data() + 2 * W, D);
+      }
+      finish(a, t, tot.data(), tot.data() + W, tot.data() + 2 * W, out);
+    }
+  });
+  if (!split_items) return;
+  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tot(rec);
+    for (int64_t ti = begin; ti < end; ++ti) {
+      VT::store(tot.data(), VT::set1(-INFINITY));
+      VT::store(tot.data() + W, VT::zero());
+      std::fill(tot.begin() + 2 * W, tot.end(), 0.0f);
+      for (int64_t k = item_base[ti]; k < item_base[ti + 1]; ++k) {
+        const float* r = partial.data() + k * rec;
+        merge(tot.data(), tot.data() + W, tot.data() + 2 * W, r, r + W, r + 2 * W, D);
+      }
+      finish(a, tiles[ti], tot.data(), tot.data() + W, tot.data() + 2 * W, out);
+    }
+  });
+}
+
+}  // namespace PAGEDSERVE_LANES_NS
