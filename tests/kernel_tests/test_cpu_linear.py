@@ -80,12 +80,42 @@ def test_layers_keep_shapes_and_dtype():
 
 
 @needs_kernels
-def test_large_token_counts_use_torch_gemm():
-    """Above F32_MAX_TOKENS rows StreamingLinear is F.linear (prefill), bit for bit."""
-    from pagedserve.models.cpu_linear import F32_MAX_TOKENS
-
-    w, x = torch.randn(40, 64), torch.randn(F32_MAX_TOKENS + 1, 64)
-    assert torch.equal(StreamingLinear(w)(x), F.linear(x, w))
+@pytest.mark.parametrize("kind", ["f32", "q4", "q8", "q4_a8x2", "q8_a8x2", "q4_a8x1", "q4_vnni2", "q4_vnni1"])
+def test_every_kernel_is_row_invariant(kind):
+    """Batch invariance of the linears: a row's output is the same bits whether it is alone in the call or the row of
+    a 1- to 300-row call, on one thread or two (tiles over output rows only, K reduced in a fixed order)."""
+    from pagedserve.models.cpu_linear import vnni_available
+    if "vnni" in kind and not vnni_available():
+        pytest.skip("no AVX-512 VNNI here")
+    ops = torch.ops.pagedserve_cpu
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 256, generator=gen) * 0.05
+    q4 = StreamingInt4Linear(quantize_int4(w, 32))
+    q8 = StreamingInt8Linear(Int8BlockWeight(torch.randint(-127, 128, (200, 256), dtype=torch.int8, generator=gen),
+                                             (torch.rand(200, 8, generator=gen) / 50).half()))
+    packed = ops.pack_q4_vnni(q4.codes, q4.scales, q4.mins, 32) if "vnni" in kind else None
+    levels = 2 if kind.endswith("x2") or kind.endswith("2") else 1
+    run = {"f32": lambda x: ops.linear_f32(x, w, None),
+           "q4": lambda x: ops.linear_q4(x, q4.codes, q4.scales, q4.mins, 32, None),
+           "q8": lambda x: ops.linear_q8(x, q8.codes, q8.scales, 32, None),
+           "q4_a8x2": lambda x: ops.linear_q4_a8(x, q4.codes, q4.scales, q4.mins, 32, None, levels),
+           "q4_a8x1": lambda x: ops.linear_q4_a8(x, q4.codes, q4.scales, q4.mins, 32, None, levels),
+           "q8_a8x2": lambda x: ops.linear_q8_a8(x, q8.codes, q8.scales, 32, None, levels),
+           "q4_vnni2": lambda x: ops.linear_q4_vnni(x, *packed, 200, None, levels),
+           "q4_vnni1": lambda x: ops.linear_q4_vnni(x, *packed, 200, None, levels)}[kind]
+    x = torch.randn(300, 256, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = run(x)
+        torch.set_num_threads(1)
+        for m in (1, 2, 3, 4, 5, 17, 64, 299):
+            assert torch.equal(run(x[:m].contiguous()), full[:m]), m
+        assert torch.equal(run(x[250:251].contiguous())[0], full[250])
+    finally:
+        torch.set_num_threads(threads)
+    if "vnni" in kind:   # the panels give linear_q4_a8's bits (the AVX2 machines' kernel)
+        assert torch.equal(full, ops.linear_q4_a8(x, q4.codes, q4.scales, q4.mins, 32, None, levels))
 
 
 @needs_kernels
@@ -127,9 +157,8 @@ def test_use_cpu_kernels_swaps_linears_and_ties_lm_head():
 def test_embedded_gguf_layers_exact(llm_int4, llm_parts):
     """The embedded GGUF on the own kernels' float-activation paths: Q4_1 linears and the Q8_0 tied LM head as
     stored give the dequantized fp32 model's outputs within float32 rounding (no bfloat16 anywhere). The int8
-    activation paths (VNNI decode panels, on by default where the CPU has them) are off for this check; their
-    accuracy is tests/models/test_quant.py's."""
-    from pagedserve.models.cpu_linear import use_vnni
+    activation paths ("auto"'s, every call) are off for this check; their accuracy is tests/models/test_quant.py's."""
+    from pagedserve.models.cpu_linear import use_int8_activations, use_vnni
 
     if llm_int4.linear_kernels != "pagedserve-cpu":
         pytest.skip("the int4 model was built on torch's kernels")
@@ -137,12 +166,14 @@ def test_embedded_gguf_layers_exact(llm_int4, llm_parts):
     assert "lm_head Q8_0 (as stored)" in llm_int4.quantization
     h = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
     use_vnni(llm_int4, 0)
+    use_int8_activations(llm_int4, 0)
     try:
         for got_layer, ref_layer in ((llm_int4.layers[3].mlp, fp32.layers[3].mlp),
                                      (llm_int4.compute_logits, fp32.compute_logits)):
             got, ref = got_layer(h), ref_layer(h)
             assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     finally:
+        use_int8_activations(llm_int4, llm_int4.a8_min_tokens, llm_int4.a8_levels or 2)
         use_vnni(llm_int4, llm_int4.vnni_max_tokens)
 
 

@@ -1127,6 +1127,8 @@ class GenerationModelInfo(_message.Message):
     NUM_EXPERTS_FIELD_NUMBER: _builtins.int
     NUM_EXPERTS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     REASONING_PARSER_FIELD_NUMBER: _builtins.int
+    BATCH_INVARIANT_FIELD_NUMBER: _builtins.int
+    KERNELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name or path given to --model."""
     architecture: _builtins.str
@@ -1169,6 +1171,14 @@ class GenerationModelInfo(_message.Message):
     num_experts_per_token: _builtins.int
     reasoning_parser: _builtins.str
     """The server's --reasoning-parser ("deepseek_r1", "qwen3", "gpt_oss"); empty when off."""
+    batch_invariant: _builtins.bool
+    """True when a request's tokens do not depend on what else is in its steps (batch-invariant kernels: every linear
+    one numeric scheme for every token count, attention a fixed function per query row; README, "Deterministic
+    outputs"): the same for a seeded or greedy request alone or beside others, whole or chunked, cached or not,
+    preempted or not. False on the "torch" linear kernels and the torch/cuda attention backends.
+    """
+    kernels: _builtins.str
+    """Which kernels run, e.g. "linears: int8 activations x2 on avx512-vnni panels; attention: 16 lanes"."""
     @_builtins.property
     def sliding_windows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per layer, its sliding window in tokens (0: full attention); empty when every layer attends to the whole
@@ -1200,10 +1210,12 @@ class GenerationModelInfo(_message.Message):
         num_experts: _builtins.int = ...,
         num_experts_per_token: _builtins.int = ...,
         reasoning_parser: _builtins.str = ...,
+        batch_invariant: _builtins.bool = ...,
+        kernels: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "head_dim", b"head_dim", "kv_block_bytes", b"kv_block_bytes", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_experts", b"num_experts", "num_experts_per_token", b"num_experts_per_token", "num_kv_blocks", b"num_kv_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "reasoning_parser", b"reasoning_parser", "sliding_windows", b"sliding_windows", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "attention_backend", b"attention_backend", "batch_invariant", b"batch_invariant", "block_size", b"block_size", "compiled", b"compiled", "device", b"device", "dtype", b"dtype", "head_dim", b"head_dim", "kernels", b"kernels", "kv_block_bytes", b"kv_block_bytes", "kv_cache_dtype", b"kv_cache_dtype", "max_model_len", b"max_model_len", "name", b"name", "num_experts", b"num_experts", "num_experts_per_token", b"num_experts_per_token", "num_kv_blocks", b"num_kv_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "prefix_caching", b"prefix_caching", "quantization", b"quantization", "reasoning_parser", b"reasoning_parser", "sliding_windows", b"sliding_windows", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

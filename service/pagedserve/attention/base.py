@@ -128,6 +128,11 @@ class AttentionBackend(abc.ABC):
                 the engine's build refuses such a pairing first (:func:`check_features`).
         """
 
+    def kernel_name(self) -> str:
+        """What runs the attention, for the engine's info: "batch-invariant ..." where a row's output is a fixed
+        function of its query and the keys and values it sees (the CPU kernel), else the backend's name."""
+        return self.name
+
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                     block_copies: list[tuple[int, int]]) -> None:
         """Copy-on-write of KV blocks (PagedAttention's beam search): for each ``(src, dst)`` block id pair, block

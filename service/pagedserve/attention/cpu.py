@@ -42,6 +42,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     elementwise = CPU_OPS
 
+    def kernel_name(self) -> str:
+        if cpu_kernel_ops() is None:
+            return "torch reference (CPU kernels not loaded)"
+        lanes = 16 if torch.ops.pagedserve_cpu.paged_attention_lanes() == 16 else 8
+        return f"batch-invariant paged attention, {lanes} lanes ({'AVX-512' if lanes == 16 else 'AVX2'})"
+
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None, *,
                 softcap=None, sinks=None):
         if query.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES or query.shape[-1] % 8 or \

@@ -1,6 +1,8 @@
 """Builds a ready :class:`LLMEngine` from an :class:`EngineConfig`: device, dtype, model, tokenizer, KV cache."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from dataclasses import dataclass
@@ -42,7 +44,10 @@ class EngineInfo:
     linear_kernels: str = "torch"        # whose kernels run the linears: "pagedserve-cpu" (models.cpu_linear) or "torch"
     speculative: str | None = None       # the speculative decoding method ("ngram, 4 drafts"); None: off
     kv_cache_dtype: str = "float32"      # the KV cache's element type (--kv-cache-dtype; auto: the model's dtype)
-    prefill_attention_dtype: str | None = None   # "bfloat16": prefill SDPA in bf16 (attention.cpu); None: model's
+    prefill_attention_dtype: str | None = None   # a backend's prefill SDPA dtype when it differs; None: the model's
+    attention_kernel: str = ""           # what the attention backend runs (AttentionBackend.kernel_name)
+    batch_invariant: bool = False        # a request's tokens do not depend on its batch-mates (README, "Deterministic outputs")
+    kernels: str = ""                    # which linear and attention kernels run ("linears: ...; attention: ...")
     num_layers: int = 0                  # decoder layers
     num_kv_heads: int = 0                # KV heads of the whole model (all tensor-parallel ranks)
     head_dim: int = 0
@@ -148,6 +153,10 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
                       prefix_caching=config.enable_prefix_caching, quantization=model.quantization,
                       linear_kernels=model.linear_kernels, speculative=_speculative_summary(config),
                       **_model_shape(model, hf_config), **executor.describe())
+    info = dataclasses.replace(info, batch_invariant=bool(getattr(model, "batch_invariant", False)) and
+                               info.attention_kernel.startswith("batch-invariant"),
+                               kernels=f"linears: {getattr(model, 'linear_path', 'torch')}; attention: "
+                                       f"{info.attention_kernel or info.attention_backend}")
     return engine, info
 
 

@@ -100,7 +100,8 @@ class App:
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2),
                           deadline_scheduling=generation.engine.engine.config.deadline_scheduling,
                           max_queue_time_s=generation.engine.engine.config.max_queue_time_s,
-                          reasoning_parser=generation.engine.engine.config.reasoning_parser)
+                          reasoning_parser=generation.engine.engine.config.reasoning_parser,
+                          batch_invariant=info.batch_invariant, kernels=info.kernels)
         if embedding is not None:
             fields.update(embedding_model=embedding.info.name, embedding_dim=embedding.info.dimension)
         if self.services.rerank is not None:

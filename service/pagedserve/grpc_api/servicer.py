@@ -118,7 +118,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 kv_cache_dtype=info.kv_cache_dtype, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
                 head_dim=info.head_dim, sliding_windows=info.sliding_windows, num_experts=info.num_experts,
                 num_experts_per_token=info.num_experts_per_token,
-                reasoning_parser=getattr(generation, "reasoning_parser", None) or ""))
+                reasoning_parser=getattr(generation, "reasoning_parser", None) or "",
+                batch_invariant=info.batch_invariant, kernels=info.kernels))
             fields = pb.KVCacheStats.DESCRIPTOR.fields_by_name  # (the engine's stats hold more, e.g. spec decode)
             resp.kv_cache.CopyFrom(pb.KVCacheStats(**{k: v for k, v in generation.kv_cache_stats().items()
                                                       if k in fields}))

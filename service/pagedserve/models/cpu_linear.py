@@ -8,49 +8,43 @@ accumulation (``bench/linear_probe.py`` measures each layer against a memory cop
 
 Layers (x: ``[..., K]`` in the compute dtype; returns ``[..., N]`` in x's dtype):
 
-- :class:`StreamingLinear`: float32 weight ``[N, K]`` as loaded; the own kernel up to :data:`F32_MAX_TOKENS` rows,
-  torch's GEMM above (prefill chunks: the same GEMM as HF's, so prefill logits stay close to HF's).
+- :class:`StreamingLinear`: float32 weight ``[N, K]`` as loaded, the own kernel at every token count.
 - :class:`StreamingInt4Linear`: an :class:`~.quant.Int4Weight`, codes packed two per byte in GGUF's order,
   ``w = q * scale + min`` with ``min = zero - 8 * scale`` (float32), every token count.
 - :class:`StreamingInt8Linear`: int8 codes with a float32 scale per group of ``group_size`` along K: GGUF Q8_0
   (group 32, exact: the logits of the tied LM head need no rescoring) or int8 per output channel (group K).
 
-Int8 activations (the two quantized layers, ``a8_min_tokens`` > 0, set by :func:`use_int8_activations`): a call
-with at least that many tokens quantizes x per token in blocks of 32 to int8 (ggml's Q8_1: ``d = max|x| / 127``,
-``a = round(x / d)``) and multiplies with integer dot products (``csrc/linear_a8.cpp``); the result is exactly the
-layer applied to the rounded activations ``a * d``. With two levels (``a8_levels``) the residual ``x - a * d`` is
-quantized again the same way and multiplied too: twice the integer work, 254x less rounding error. Fewer tokens
-(decode of a few streams) keep float32 activations. The linear kernels' choices (EngineConfig.linear_kernels):
-``"auto"`` two levels from :data:`A8_MIN_TOKENS` tokens, ``"int8-activations"`` one level (llama.cpp's numerics,
-the fastest), ``"float-activations"`` never. On the embedded model's 2,000-token teacher-forced text against
-float32 activations (tests/models/test_quant.py): one level top-1 agreement 0.970 (under the tests' 0.99),
-perplexity +0.25%; two levels 0.9995, +0.000%.
+One numeric scheme per layer for every token count (batch invariance): a row's output is a function of that row
+and the weights alone, bit for bit, whether the call carries one decode token or a 1,024-token prefill chunk beside
+it, on any thread count (each kernel splits the work over output rows only and reduces K in a fixed order). The
+schemes, by ``linear_kernels`` choice (EngineConfig.linear_kernels):
 
-Long chunks (``dq_min_tokens`` > 0, set by :func:`use_dequantized_gemm`; from :data:`DQ_MIN_TOKENS` tokens for
-``"auto"`` and ``"float-activations"``): the call decodes the quantized weight to a float32 ``[N, K]`` tensor
-(``csrc/dequant.cpp``, about 0.2 ms for the embedded model's largest linear) and runs torch's float32 GEMM on it, as
-vLLM's CPU backend does for weights its kernels cannot take: the work per weight is 2 x M flops against one decode,
-so from a few tens of tokens the BLAS's full vector width wins over kernels that decode in their inner loop, and the
-result is the float32 function of the quantized weights (no activation rounding). The decoded copy lives for one
-call; layers above :data:`DQ_MAX_WEIGHTS` weights (a tied LM head) never take it.
+- ``"auto"`` (the default): the quantized layers on int8 activations in two levels at every call: x quantized per
+  token in blocks of 32 (ggml's Q8_1: ``d = max|x| / 127``, ``a = round(x / d)``), the residual ``x - a * d``
+  quantized again the same way, both multiplied with exact integer dot products, and per block of 32 the float terms
+  added in one order (level 0, level 1, the q4 min term from the activations' block sums). The int4 layers run it on
+  ``linear_q4_vnni`` where the CPU has AVX-512 VNNI (16-row panels packed once at load, one VPDPBUSD per 4 weights
+  x 16 rows; the copy costs the layer's codes and scales once more, about 80 MB for the embedded model), else on
+  ``linear_q4_a8`` (AVX2 maddubs or AVX-VNNI, 8-row panels repacked per call), and from :data:`AMX_MIN_TOKENS`
+  tokens on ``linear_q4_amx`` where the CPU has AMX-INT8: the three give the same bits (tested; use_amx checks it
+  again at load and keeps AMX off if not). int8 layers run ``linear_q8_a8``. float32 layers run ``linear_f32``.
+  On the embedded model's 2,000-token teacher-forced text against float32 activations (tests/models/test_quant.py)
+  two levels agree on the top-1 token at 0.9995, perplexity +0.000%.
+- ``"int8-activations"``: one level (llama.cpp's numerics, the fastest; top-1 agreement 0.970, perplexity +0.25%).
+- ``"float-activations"``: float32 activations at every call (``linear_q4`` / ``linear_q8``: each weight row decoded
+  into an L1 buffer, register tiles with k in the lanes): the float32 function of the quantized weights.
 
-Where the CPU has AMX-INT8 (Sapphire Rapids and later; ``amx_min_tokens`` > 0, set by :func:`use_amx`, from
-:data:`AMX_MIN_TOKENS` tokens for ``"auto"`` and ``"int8-activations"``) the int4 layers run their int8 activations
-on AMX tiles instead (``csrc/linear_amx.cpp``): the same quantization and the same function as ``linear_q4_a8``
-(one level bit for bit, two up to float32 summation order), a 16 x 16 x 32 integer block per instruction; this
-comes before the GEMM path. int8 layers have no AMX kernel and keep the paths above.
-
-Where the CPU has AVX-512 VNNI (``vnni_max_tokens`` > 0, set by :func:`use_vnni`, up to :data:`VNNI_MAX_TOKENS`
-tokens for ``"auto"`` and ``"int8-activations"``), calls of a few tokens (decode steps, short chunks) of the int4
-layers run ``linear_q4_vnni`` (``csrc/linear_vnni.cpp``): int8 activations as above (``a8_levels``; one level bit
-for bit ``linear_q4_a8``'s result) against a copy of the weight repacked once into 16-row panels, one VPDPBUSD per
-4 weights x 16 rows. The copy costs the layer's codes and scales once more (the embedded model: about 80 MB).
+The float32 GEMM of the decoded weight (``dq_min_tokens``, :func:`use_dequantized_gemm`) is not batch-invariant (the
+BLAS blocks by the call's shape) and no choice takes it; bench/prefill.py keeps it as the baseline.
 
 :func:`use_cpu_kernels` swaps a loaded model's float32 ``nn.Linear`` leaves; the quantized layers are built directly
 by :mod:`.quant_load` when its plan says so.
 """
 from __future__ import annotations
 
+import functools
+
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,33 +53,31 @@ from ..config import LINEAR_KERNELS
 from ..kernels.cpu_build import cpu_kernel_ops
 from .quant import Int4Weight, Int8BlockWeight, Int8ChannelWeight
 
-F32_MAX_TOKENS = 32   # rows through the own fp32 kernel at most; above, torch's GEMM (HF's own, so prefill logits match HF closely)
-# Tokens from which "auto" quantizes the activations of the quantized linears to int8 (prefill chunks and decode
-# steps of 16 or more streams). 120 Q4 linears of the embedded model's shapes, weights streaming from memory, one
-# thread, same process: int8 vs float activations 0.82x at M=1, 0.74x at 2, 1.74x at 4, 1.25x at 8, 1.78x at 16,
-# 1.88x at 32 (bench/README.md, "int8 activations"); 16 keeps the decode of a few streams on float activations.
-A8_MIN_TOKENS = 16
+log = structlog.get_logger(__name__)
+
+# Every layer runs one numeric scheme for every token count, so a token's logits never depend on how many tokens
+# share its step (batch invariance: README, "Deterministic outputs"). The thresholds below are therefore 1 (from the
+# first token) or unbounded; a layer's kernel choice is made once, at load, by the CPU's features.
+# Tokens from which "auto" quantizes the activations of the quantized linears to int8: every call (two levels:
+# within the quantization tests' agreement bound; one level, "int8-activations", is llama.cpp's numerics).
+A8_MIN_TOKENS = 1
 A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choice (others: none)
-# Tokens from which "auto" and "float-activations" decode a quantized weight to float32 (dequantize_q4 / _q8) and run
-# torch's float32 GEMM on it (the BLAS: AVX-512 where the CPU has it, which the own kernels do not use): exact float32
-# activations, and from here faster than both own paths. One thread, same process, the embedded model's shapes
-# (1536 x 576 / 576 x 1536 / 576 x 576 / 192 x 576), ms per call, Xeon with AVX-512 (bench/README.md, "Prefill"):
-# M=32 two-level int8 0.45 / 0.46 / 0.18 / 0.07 vs GEMM 0.63 / 0.64 / 0.18 / 0.06; M=64 0.85 / 0.88 / 0.35 / 0.13 vs
-# 0.93 / 0.90 / 0.28 / 0.10; M=256 3.37 / 3.40 / 1.35 / 0.50 vs 2.46 / 2.49 / 0.90 / 0.30.
+# The float32 GEMM of the decoded weight (torch's BLAS): no linear_kernels choice takes it any more (its result for a
+# row depends on how many rows share the call); bench/prefill.py keeps it as the baseline vLLM's CPU backend runs.
 DQ_MIN_TOKENS = 64
 DQ_MAX_WEIGHTS = 1 << 22   # larger weights (an LM head: 28 M) keep the own kernels: no 100+ MB float32 copy per call
-DQ_CHOICES = ("auto", "float-activations")   # linear_kernels choices that take the GEMM path
-# Tokens from which "auto" / "int8-activations" run the int4 layers' int8 activations on AMX tiles (linear_q4_amx:
-# the same function as linear_q4_a8) where the CPU has AMX-INT8; it comes before the GEMM path. One thread, ms per
-# call, Xeon (AMX), two levels vs float32 GEMM of the decoded weight: 3072 x 576 M=64 0.94 vs 2.88, M=256 3.18 vs
-# 5.04, M=1024 15.7 vs 17.4; 576 x 1536 M=64 0.50 vs 0.91, M=256 1.73 vs 2.49, M=1024 6.9 vs 8.8.
+DQ_CHOICES = ()
+# Tokens from which "auto" / "int8-activations" run the int4 layers' int8 activations on AMX tiles where the CPU has
+# AMX-INT8 (linear_q4_amx: the same bits as linear_q4_vnni and linear_q4_a8, checked at load by use_amx). One
+# thread, ms per call, Xeon (AMX), two levels vs float32 GEMM of the decoded weight: 3072 x 576 M=64 0.94 vs 2.88,
+# M=256 3.18 vs 5.04, M=1024 15.7 vs 17.4; 576 x 1536 M=64 0.50 vs 0.91, M=256 1.73 vs 2.49.
 AMX_MIN_TOKENS = 16
 AMX_CHOICES = ("auto", "int8-activations")
 # Tokens up to which "auto" / "int8-activations" run the int4 layers on linear_q4_vnni (int8 activations, 16-row
-# panels packed at load, AVX-512 VNNI) where the CPU has it; it comes before every other path. 3072 x 576, two
-# levels, 30 weights streaming from memory, 2 threads, same process, us per call (bench/decode_linears.py): M=1 47.2
-# vs 68.8 float activations (linear_q4); M=16 164.6 vs AMX 196.6; M=32 294.1 vs AMX 297.8; M=64 543.9 vs AMX 474.3.
-VNNI_MAX_TOKENS = 32
+# panels packed at load, AVX-512 VNNI) where the CPU has it: every call. 2 threads, AMD EPYC (AVX-512, no AMX),
+# GFLOP/s-equivalent of a 1536 x 576 layer, two levels, against the float32 GEMM of the decoded weight that "auto"
+# took from 64 tokens before: M=1 214 vs 18, M=32 451 vs 138, M=256 427 vs 194, M=1024 363 vs 200.
+VNNI_MAX_TOKENS = 1 << 62
 VNNI_CHOICES = AMX_CHOICES
 
 
@@ -133,14 +125,11 @@ class StreamingLinear(nn.Module):
         self.bias = _bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > F32_MAX_TOKENS:
-            return F.linear(x, self.weight, self.bias)
-        y = torch.ops.pagedserve_cpu.linear_f32(x2.contiguous(), self.weight, self.bias)
+        y = torch.ops.pagedserve_cpu.linear_f32(x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, float32 (own kernel up to {F32_MAX_TOKENS} rows)"
+        return f"in={self.in_features}, out={self.out_features}, float32"
 
 
 class StreamingInt4Linear(nn.Module):
@@ -319,6 +308,22 @@ def _int8_activation_int4_layers(model: nn.Module) -> list[StreamingInt4Linear]:
             if isinstance(m, StreamingInt4Linear) and m.in_features % 32 == 0 and m.group_size % 32 == 0]
 
 
+@functools.cache
+def amx_matches_panels() -> bool:
+    """Whether ``linear_q4_amx`` gives ``linear_q4_a8``'s bits here, one level and two (a seeded 61 x 384 int4 layer,
+    37 tokens, a zero block included); False where AMX does not run."""
+    if not amx_available():
+        return False
+    from .quant import quantize_int4
+    gen = torch.Generator().manual_seed(0)
+    layer = StreamingInt4Linear(quantize_int4(torch.randn(61, 384, generator=gen), 32))
+    x = torch.randn(37, 384, generator=gen)
+    x[0, 32:64] = 0.0
+    args = (x, layer.codes, layer.scales, layer.mins, 32, None)
+    ops = torch.ops.pagedserve_cpu
+    return all(torch.equal(ops.linear_q4_amx(*args, levels), ops.linear_q4_a8(*args, levels)) for levels in (1, 2))
+
+
 def use_amx(model: nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> int:
     """Set ``amx_min_tokens = min_tokens`` (0: off) on every :class:`StreamingInt4Linear` of ``model`` whose K and
     group size are multiples of 32: from that many tokens a call runs ``linear_q4_amx`` with the layer's
@@ -332,10 +337,41 @@ def use_amx(model: nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> int:
         raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
     if min_tokens and not amx_available():
         raise RuntimeError("AMX-INT8 is not available on this CPU (or the kernels did not load)")
+    if min_tokens and not amx_matches_panels():
+        log.warning("amx_kernel_off", reason="linear_q4_amx differs from linear_q4_a8 on this CPU: AMX stays off so "
+                    "that every token count gets the same bits")
+        min_tokens = 0
     layers = _int8_activation_int4_layers(model)
     for module in layers:
         module.amx_min_tokens = min_tokens
     return len(layers)
+
+
+def linear_path_of(model: nn.Module) -> str:
+    """One line naming the kernels the model's linears run, e.g. "int8 activations x2 (int4: avx512-vnni panels,
+    amx from 16 tokens; int8: avx2 panels); float32: own kernel", from the layers' settings."""
+    q4 = [m for m in model.modules() if isinstance(m, StreamingInt4Linear)]
+    q8 = [m for m in model.modules() if isinstance(m, StreamingInt8Linear)]
+    f32 = any(isinstance(m, StreamingLinear) for m in model.modules())
+    parts = []
+    if q4 or q8:
+        levels = max([m.a8_levels for m in q4 + q8 if m.a8_min_tokens] or [0])
+        avx2 = "avx-vnni" if bool(torch.ops.pagedserve_cpu.linear_a8_vnni(-1)) else "avx2"
+        if levels:
+            kinds = []
+            if q4:
+                vnni = any(m.vnni_max_tokens for m in q4)
+                amx = max((m.amx_min_tokens for m in q4), default=0)
+                kinds.append("int4: " + ("avx512-vnni panels" if vnni else f"{avx2} panels") +
+                             (f", amx from {amx} tokens" if amx else ""))
+            if q8:
+                kinds.append(f"int8: {avx2} panels")
+            parts.append(f"int8 activations x{levels} ({'; '.join(kinds)})")
+        else:
+            parts.append("float32 activations (int4/int8 decoded per row)")
+    if f32:
+        parts.append("float32: own kernel")
+    return "; ".join(parts) or "none"
 
 
 def vnni_available() -> bool:

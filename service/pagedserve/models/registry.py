@@ -56,14 +56,15 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     group size for weights quantized at load. The model's ``quantization`` attribute then says what was built.
     tp: this rank's :class:`~.layers.TPGroup` (None: the whole model); each tensor is cut to the rank's part as read.
     linear_kernels: "auto" runs the linears (quantized or float32) on pagedserve's CPU kernels where they load
-    (:mod:`.cpu_linear`), the quantized ones on two-level int8 activations from
-    :data:`.cpu_linear.A8_MIN_TOKENS` tokens and on torch's float32 GEMM of the decoded weight from
-    :data:`.cpu_linear.DQ_MIN_TOKENS`; "int8-activations" one level, no GEMM path; "float-activations" float32
-    activations always (the GEMM path too); "torch" torch's kernels. The model's ``linear_kernels`` attribute says
-    which ran, ``a8_min_tokens`` from how many tokens int8 activations are used (0: never), ``a8_levels`` with how
-    many levels, ``dq_min_tokens`` from how many tokens the GEMM path is taken and ``amx_min_tokens`` from how many
-    the int4 layers run their int8 activations on AMX tiles where the CPU has AMX-INT8 (0: never);
-    ``vnni_max_tokens`` up to how many tokens the int4 layers run on the AVX-512 VNNI panels (0: never).
+    (:mod:`.cpu_linear`), the quantized ones on two-level int8 activations at every token count (one scheme per
+    layer: batch-invariant); "int8-activations" one level; "float-activations" float32 activations; "torch" torch's
+    kernels (not batch-invariant). The model's ``linear_kernels`` attribute says which ran, ``a8_min_tokens`` from how
+    many tokens int8 activations are used (0: never), ``a8_levels`` with how many levels, ``dq_min_tokens`` from how
+    many tokens the GEMM path is taken (always 0 now), ``amx_min_tokens`` from how many the int4 layers run their
+    int8 activations on AMX tiles where the CPU has AMX-INT8 and they give the panels' bits (0: never);
+    ``vnni_max_tokens`` up to how many tokens the int4 layers run on the AVX-512 VNNI panels (0: never);
+    ``batch_invariant`` whether every linear is one numeric scheme for every token count, ``linear_path`` a line
+    saying which kernels run (:func:`.cpu_linear.linear_path_of`).
 
     Raises:
         ValueError: for an architecture not in :data:`MODEL_REGISTRY`, a checkpoint that does not fit it, or an
@@ -72,7 +73,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     """
     from .cpu_linear import (A8_LEVELS, A8_MIN_TOKENS, AMX_CHOICES, AMX_MIN_TOKENS, DQ_CHOICES, DQ_MIN_TOKENS,
                              VNNI_CHOICES, VNNI_MAX_TOKENS, use_vnni, vnni_available,
-                             amx_available, cpu_kernels_enabled, use_amx, use_cpu_kernels, use_dequantized_gemm,
+                             amx_available, amx_matches_panels, cpu_kernels_enabled, linear_path_of, use_amx, use_cpu_kernels, use_dequantized_gemm,
                              use_int8_activations)
     from .quant_load import QuantPlan, prepare_model, resolve_scheme
 
@@ -97,6 +98,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     model.requires_grad_(False)
     model.linear_kernels, model.a8_min_tokens, model.a8_levels, model.dq_min_tokens = "torch", 0, 0, 0
     model.amx_min_tokens = model.vnni_max_tokens = 0
+    model.batch_invariant, model.linear_path = False, "torch"
     if own_kernels:
         use_cpu_kernels(model)
         model.linear_kernels = "pagedserve-cpu"
@@ -105,10 +107,13 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
             model.a8_min_tokens, model.a8_levels = A8_MIN_TOKENS, levels
         if linear_kernels in DQ_CHOICES and use_dequantized_gemm(model, DQ_MIN_TOKENS):
             model.dq_min_tokens = DQ_MIN_TOKENS
-        if linear_kernels in AMX_CHOICES and amx_available() and use_amx(model, AMX_MIN_TOKENS):
+        if linear_kernels in AMX_CHOICES and amx_available() and amx_matches_panels() and \
+                use_amx(model, AMX_MIN_TOKENS):
             model.amx_min_tokens = AMX_MIN_TOKENS
         if linear_kernels in VNNI_CHOICES and vnni_available() and use_vnni(model, VNNI_MAX_TOKENS):
             model.vnni_max_tokens = VNNI_MAX_TOKENS
+        model.batch_invariant = not model.dq_min_tokens   # every other path is one scheme for every token count
+        model.linear_path = linear_path_of(model)
 
     release_freed_heap()
     return model

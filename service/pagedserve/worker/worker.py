@@ -99,7 +99,8 @@ class Worker:
         """What the engine's info reports of this worker."""
         compiled = self.runner.compiled if self.runner is not None else None
         dtype = getattr(self.backend, "prefill_dtype", None)
-        return dict(attention_backend=self.backend.name, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+        return dict(attention_backend=self.backend.name, attention_kernel=self.backend.kernel_name(),
+                    kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
                     kv_block_bytes=self.block_bytes, device=str(self.device),
                     prefill_attention_dtype=None if dtype is None else str(dtype).removeprefix("torch."),
                     compiled=compiled is not None,

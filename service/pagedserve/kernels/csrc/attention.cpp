@@ -248,6 +248,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 }  // namespace
 
+int64_t paged_attention_lanes() { return attention_avx512() ? 16 : 8; }
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale, int64_t sliding_window, double softcap,

@@ -7,14 +7,9 @@
 //
 // Why: at decode (M = 1..64 tokens) a linear is bound by how fast its weights stream from memory; torch's fp32 GEMM
 // reaches about a third of this machine's read bandwidth there, and its int4/int8 CPU kernels are vectorized only for
-// bfloat16 activations on AVX2. Paths, by token count M:
-//   - quantized, M <= 4 (kFusedTokens): each row decoded in registers and multiplied at once (fused_row);
-//   - quantized, M >= 5: 4 rows at a time decoded into a row buffer in L1, then register tiles of 4 rows x 3
-//     tokens with k in vector lanes and horizontal sums (run_row_tiles);
-//   - float32, M <= 4: a register tile of kRows rows x up to 4 tokens with horizontal sums, weights read in place
-//     (run);
-//   - float32, M >= 5 (kPanelMinTokens): 8 rows at a time transposed into a panel [K][8] in L1/L2, then a
-//     register tile of 16 rows x 6 tokens with the rows in vector lanes (run_panels).
+// bfloat16 activations on AVX2. One path for every token count M (so a row's result never depends on M: batch
+// invariance): quantized weights decoded 4 rows at a time into a row buffer in L1, float32 weights read in place,
+// then register tiles of rows x tokens with k in vector lanes and one horizontal sum per output (rows_times_tokens).
 //
 // Formats (row-major, one row per output channel n):
 //   f32: W float32 [N, K].

@@ -83,15 +83,14 @@ void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   const float* s = q.s.data() + m * nb;
-  const int8_t *a0 = q.a[0].data() + m * K, *a1 = q.levels > 1 ? q.a[1].data() + m * K : nullptr;
-  const float *d0 = q.d[0].data() + m * nb, *d1 = q.levels > 1 ? q.d[1].data() + m * nb : nullptr;
-  // the residual level (a1): the panel is still in L1; its min term is in s already
+  const int8_t* a[2] = {q.a[0].data() + m * K, q.levels > 1 ? q.a[1].data() + m * K : nullptr};
+  const float* d[2] = {q.d[0].data() + m * nb, q.levels > 1 ? q.d[1].data() + m * nb : nullptr};
   if (q.vnni) {
-    a8_tile_vnni<kQ4, T>(codes, dw, mw, nb, a0, K, d0, s, nb, acc);
-    if (a1) a8_tile_vnni<kQ4, T, false>(codes, dw, mw, nb, a1, K, d1, s, nb, acc);
+    if (q.levels > 1) a8_tile_vnni<kQ4, T, 2>(codes, dw, mw, nb, a, K, d, s, nb, acc);
+    else a8_tile_vnni<kQ4, T, 1>(codes, dw, mw, nb, a, K, d, s, nb, acc);
   } else {
-    a8_tile<kQ4, T>(codes, dw, mw, nb, a0, K, d0, s, nb, acc);
-    if (a1) a8_tile<kQ4, T, false>(codes, dw, mw, nb, a1, K, d1, s, nb, acc);
+    if (q.levels > 1) a8_tile<kQ4, T, 2>(codes, dw, mw, nb, a, K, d, s, nb, acc);
+    else a8_tile<kQ4, T, 1>(codes, dw, mw, nb, a, K, d, s, nb, acc);
   }
   __m256 b = _mm256_setzero_ps();
   alignas(32) float tmp[kPanelRows];

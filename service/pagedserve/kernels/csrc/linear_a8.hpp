@@ -14,7 +14,7 @@
 //          unsigned 0..15, q8 codes as signed int8;
 //   dw, mw: [K / 32][8] float: the rows' scale and (q4) min of each block of 32 (a group of 64 or 128 repeats).
 // One tile (8 rows x T tokens, block b): the 8 steps' u8 x s8 products summed in int32 lanes (row r's lane), then
-// y[t, r] += float(isum) * dw[b, r] * d[t, b] (+ mw[b, r] * s[t, b] for q4).
+// y[t, r] += float(isum) * (dw[b, r] * d[t, b]) per level (+ mw[b, r] * s[t, b] for q4).
 #pragma once
 
 #include <cstring>
@@ -90,39 +90,46 @@ inline void transpose8x8(__m256i r[8]) {
   }
 }
 
-// One tile: 8 panel rows x T tokens over nb blocks. a: token 0's int8 row (tokens lda apart); d, s: token 0's block
-// scales and sums (ldd apart). Adds into acc[t] (lane r: row r); kMin: with the q4 min term (one level of the
-// activations only).
-template <bool kQ4, int T, bool kMin = kQ4>
-inline void a8_tile(const uint8_t* codes, const float* dw, const float* mw, int64_t nb, const int8_t* a,
-                       int64_t lda, const float* d, const float* s, int64_t ldd, __m256 acc[T]) {
+// One tile: 8 panel rows x T tokens over nb blocks, L levels of the activations. a[l]: level l's int8 row of token 0
+// (tokens lda apart); d[l], s: token 0's block scales and sums (ldd apart). Adds into acc[t] (lane r: row r), per
+// block in this order: level 0's product, level 1's, then (q4) the min term: the order of linear_vnni.cpp's panels,
+// so the two kernels give the same bits (the integer sums are exact in both).
+template <bool kQ4, int T, int L>
+inline void a8_tile(const uint8_t* codes, const float* dw, const float* mw, int64_t nb, const int8_t* const* a,
+                    int64_t lda, const float* const* d, const float* s, int64_t ldd, __m256 acc[T]) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = codes + b * (kActBlock * kPanelRows);
-    const int8_t* ab = a + b * kActBlock;
-    __m256i isum[T];
-    for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+    __m256i isum[L][T];
+    for (int l = 0; l < L; ++l)
+      for (int t = 0; t < T; ++t) isum[l][t] = _mm256_setzero_si256();
     for (int j = 0; j < kActBlock / 4; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
       if constexpr (kQ4) {
         // u4 x s8 pairs are at most 2 * 15 * 127 = 3810 in magnitude: 8 steps summed in int16 stay below 32767
-        for (int t = 0; t < T; ++t)
-          isum[t] = _mm256_add_epi16(isum[t], _mm256_maddubs_epi16(w, bcast4(ab + t * lda + 4 * j)));
+        for (int l = 0; l < L; ++l)
+          for (int t = 0; t < T; ++t)
+            isum[l][t] = _mm256_add_epi16(isum[l][t],
+                                          _mm256_maddubs_epi16(w, bcast4(a[l] + t * lda + b * kActBlock + 4 * j)));
       } else {
         // signed x signed through u8 x s8: |w| against x carrying w's sign (pairs at most 2 * 128 * 127)
         const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int t = 0; t < T; ++t) {
-          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(ab + t * lda + 4 * j), w));
-          isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, ones));
-        }
+        for (int l = 0; l < L; ++l)
+          for (int t = 0; t < T; ++t) {
+            const __m256i p =
+                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(a[l] + t * lda + b * kActBlock + 4 * j), w));
+            isum[l][t] = _mm256_add_epi32(isum[l][t], _mm256_madd_epi16(p, ones));
+          }
       }
     }
     const __m256 dwb = _mm256_loadu_ps(dw + b * kPanelRows);
     for (int t = 0; t < T; ++t) {
-      const __m256i i32 = kQ4 ? _mm256_madd_epi16(isum[t], ones) : isum[t];
-      const __m256 scale = _mm256_mul_ps(dwb, _mm256_broadcast_ss(d + t * ldd + b));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), scale, acc[t]);
-      if constexpr (kMin)
+      for (int l = 0; l < L; ++l) {
+        const __m256i i32 = kQ4 ? _mm256_madd_epi16(isum[l][t], ones) : isum[l][t];
+        const __m256 scale = _mm256_mul_ps(dwb, _mm256_broadcast_ss(d[l] + t * ldd + b));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), scale, acc[t]);
+      }
+      if constexpr (kQ4)
         acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b * kPanelRows), _mm256_broadcast_ss(s + t * ldd + b), acc[t]);
     }
   }

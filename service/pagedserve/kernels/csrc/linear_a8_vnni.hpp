@@ -16,31 +16,37 @@ inline bool& a8_vnni_enabled() {
   return enabled;
 }
 
-// Same contract as a8_tile.
-template <bool kQ4, int T, bool kMin = kQ4>
+// Same contract as a8_tile (and the same bits: the integer sums are exact either way).
+template <bool kQ4, int T, int L>
 __attribute__((target("avx2,fma,avxvnni"), noinline)) void a8_tile_vnni(
-    const uint8_t* codes, const float* dw, const float* mw, int64_t nb, const int8_t* a, int64_t lda, const float* d,
-    const float* s, int64_t ldd, __m256 acc[T]) {
+    const uint8_t* codes, const float* dw, const float* mw, int64_t nb, const int8_t* const* a, int64_t lda,
+    const float* const* d, const float* s, int64_t ldd, __m256 acc[T]) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = codes + b * (kActBlock * kPanelRows);
-    const int8_t* ab = a + b * kActBlock;
-    __m256i isum[T];
-    for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+    __m256i isum[L][T];
+    for (int l = 0; l < L; ++l)
+      for (int t = 0; t < T; ++t) isum[l][t] = _mm256_setzero_si256();
     for (int j = 0; j < kActBlock / 4; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
       if constexpr (kQ4) {
-        for (int t = 0; t < T; ++t) isum[t] = _mm256_dpbusd_avx_epi32(isum[t], w, bcast4(ab + t * lda + 4 * j));
+        for (int l = 0; l < L; ++l)
+          for (int t = 0; t < T; ++t)
+            isum[l][t] = _mm256_dpbusd_avx_epi32(isum[l][t], w, bcast4(a[l] + t * lda + b * kActBlock + 4 * j));
       } else {   // |w| against x carrying w's sign, as in a8_tile
         const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int t = 0; t < T; ++t)
-          isum[t] = _mm256_dpbusd_avx_epi32(isum[t], aw, _mm256_sign_epi8(bcast4(ab + t * lda + 4 * j), w));
+        for (int l = 0; l < L; ++l)
+          for (int t = 0; t < T; ++t)
+            isum[l][t] = _mm256_dpbusd_avx_epi32(
+                isum[l][t], aw, _mm256_sign_epi8(bcast4(a[l] + t * lda + b * kActBlock + 4 * j), w));
       }
     }
     const __m256 dwb = _mm256_loadu_ps(dw + b * kPanelRows);
     for (int t = 0; t < T; ++t) {
-      const __m256 scale = _mm256_mul_ps(dwb, _mm256_broadcast_ss(d + t * ldd + b));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), scale, acc[t]);
-      if constexpr (kMin)
+      for (int l = 0; l < L; ++l) {
+        const __m256 scale = _mm256_mul_ps(dwb, _mm256_broadcast_ss(d[l] + t * ldd + b));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[l][t]), scale, acc[t]);
+      }
+      if constexpr (kQ4)
         acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b * kPanelRows), _mm256_broadcast_ss(s + t * ldd + b), acc[t]);
     }
   }

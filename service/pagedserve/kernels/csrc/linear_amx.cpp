@@ -4,9 +4,9 @@
 // 16 x 16 int32 sums (tile C): 8,192 multiply-adds in one instruction, against 32 per vpdpbusd. The scales differ
 // per block of 32 (weights: per row; activations: per token), so every block's sums are stored and added into
 // float32 accumulators (16 rows x 16 tokens in 16 zmm registers) with the product of the two scales, plus the q4
-// min term from the activations' block sums, as linear_a8.hpp's tile does (two levels: the second level's sums
-// scaled by d1 / d0 and added to the first's before one multiply by the weight and token scales). The integer sums
-// are exact, so one level equals linear_q4_a8 bit for bit and two levels up to float32 rounding.
+// min term from the activations' block sums, in linear_a8.hpp's tile's order per block (level 0, level 1, min term).
+// The integer sums are exact, so it equals linear_q4_a8 and linear_q4_vnni bit for bit, one level or two (the engine
+// checks this once at load before it lets AMX take a call: models/cpu_linear.py, use_amx).
 //
 // Availability: the CPU reports AMX-TILE and AMX-INT8 (CPUID leaf 7) and Linux grants the process the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM, once); otherwise linear_amx_available() is false and the op raises. Only this
@@ -111,9 +111,7 @@ class PackedActs {
       for (int64_t blk = 0; blk < nb_; ++blk) {
         for (int j = 0; j < 8; ++j)
           std::memcpy(b + blk * kTileBytes + (j * kAmxTokens + t) * 4, row + l * K + blk * 32 + 4 * j, 4);
-        // level 2 keeps d1 / d0: its sums are folded into level 1's before the weight scale (amx_panel_group)
-        const float d0 = d[blk];
-        dl[blk * kAmxTokens + t] = l == 0 ? d0 : (d0 > 0.0f ? d[l * nb_ + blk] / d0 : 0.0f);
+        dl[blk * kAmxTokens + t] = d[l * nb_ + blk];
       }
     }
     float* sl = scale(gi, levels_);
@@ -148,8 +146,8 @@ void pack_a(const uint8_t* codes, const float* scale, const float* min, int64_t 
   }
 }
 
-// One panel x one token group: C = A . B per block and level, then acc[r][t] += (C0 + C1 * d1 / d0) * dw[r] * d0[t]
-// + mw[r] * s[t] (kLevels 1: C0 alone). Writes out[t * N + n0 + r] (+ bias) for t < tokens, r < rows.
+// One panel x one token group: C = A . B per block and level, then acc[r][t] += C0 * (dw[r] * d0[t]), += C1 * (dw[r] *
+// d1[t]) (kLevels 2), += mw[r] * s[t]. Writes out[t * N + n0 + r] (+ bias) for t < tokens, r < rows.
 template <int kLevels>
 __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"), noinline)) void amx_panel_group(
     const uint8_t* a, const float* dw, const float* mw, int64_t nb, const GroupTiles& g, float* out, int64_t N,
@@ -170,13 +168,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"), noinline))
       _tile_stored(1, c[1], 64);
     }
     const __m512 d0 = _mm512_loadu_ps(g.d[0] + blk * kAmxTokens), sv = _mm512_loadu_ps(g.s + blk * kAmxTokens);
-    const __m512 ratio = kLevels > 1 ? _mm512_loadu_ps(g.d[1] + blk * kAmxTokens) : _mm512_setzero_ps();
+    const __m512 d1 = kLevels > 1 ? _mm512_loadu_ps(g.d[1] + blk * kAmxTokens) : _mm512_setzero_ps();
     const float *dwb = dw + blk * kAmxRows, *mwb = mw + blk * kAmxRows;
-    for (int r = 0; r < kAmxRows; ++r) {
-      __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(c[0] + r * kAmxTokens));
+    for (int r = 0; r < kAmxRows; ++r) {   // the panels' order: level 0, level 1, then the min term
+      const __m512 w = _mm512_set1_ps(dwb[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + r * kAmxTokens)), _mm512_mul_ps(w, d0),
+                               acc[r]);
       if constexpr (kLevels > 1)
-        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + r * kAmxTokens)), ratio, sum);
-      acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(_mm512_set1_ps(dwb[r]), d0), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + r * kAmxTokens)), _mm512_mul_ps(w, d1),
+                                 acc[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mwb[r]), sv, acc[r]);
     }
   }

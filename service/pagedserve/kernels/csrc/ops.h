@@ -6,8 +6,7 @@
 //   cache_types.hpp    the KV cache's element types (float32 / float16 / bfloat16): dispatch, load, store
 //   linear.hpp         formats and paths of the linears, and the register tile they share
 //   linear_f32.cpp     linear_f32
-//   linear_quant.cpp   linear_q4, linear_q8, linear_avx512 (the fused path's AVX-512 switch)
-//   linear_fused512.hpp the fused path (1-4 tokens) on AVX-512, runtime-dispatched
+//   linear_quant.cpp   linear_q4, linear_q8
 //   linear_a8.hpp      int8 activations: quantization, 8-row weight panels, integer register tiles
 //   linear_a8_vnni.hpp the same tile on AVX-VNNI, runtime-dispatched
 //   linear_a8.cpp      linear_q4_a8, linear_q8_a8 (int8 activations, for prefill chunks), linear_a8_vnni
@@ -40,7 +39,6 @@ at::Tensor linear_q4_a8(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
                         const c10::optional<at::Tensor>& bias, int64_t levels);
 bool linear_a8_vnni(int64_t mode);
-bool linear_avx512(int64_t mode);
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                          int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels);
 bool linear_amx_available();
@@ -53,6 +51,7 @@ at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scale, const
                          int64_t group_size);
 at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size);
 
+int64_t paged_attention_lanes();   // 16 (AVX-512F) or 8 (AVX2): the vector width paged_attention runs on
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale, int64_t sliding_window = 0,

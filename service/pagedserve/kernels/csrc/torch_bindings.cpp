@@ -10,6 +10,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "float scale, int max_splits=0, int sliding_window=0, float softcap=0., Tensor? sinks=None) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor context_lens, float scale, int sliding_window=0, float softcap=0., Tensor? sinks=None) -> Tensor");
+  m.def("paged_attention_lanes() -> int", &paged_attention_lanes);
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
@@ -17,7 +18,6 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "-> Tensor");
   m.def("linear_q8_a8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias, int levels) -> Tensor");
   m.def("linear_a8_vnni(int mode) -> bool", &linear_a8_vnni);   // no tensors: a catch-all kernel
-  m.def("linear_avx512(int mode) -> bool", &linear_avx512);
   m.def("linear_q4_amx(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias, int levels) "
         "-> Tensor");
   m.def("linear_amx_available() -> bool", &linear_amx_available);
