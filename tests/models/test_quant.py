@@ -143,16 +143,16 @@ def _teacher_forced(model, ids: list[int], backend=None) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("path", ["as built", "served", "int8 x2", "dq gemm", "vnni x2"])
 def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     """2,000 tokens of a fixed text: top-1 agrees with the dequantized fp32 model on >= 99% of positions and the
-    perplexity is within 1%. One prefill, so the long-chunk path runs: "as built" the defaults (two-level int8
-    activations on AMX tiles where the CPU has AMX-INT8, else the float32 GEMM of the decoded weights); "served"
-    the same through the attention backend an engine selects for it (the cpu backend, whose prefill attention runs
-    in bfloat16 where the CPU multiplies bf16 natively: attention.cpu.use_bf16_prefill_attention); "int8 x2"
-    the own two-level int8 kernel (AMX and GEMM paths off); "dq gemm" the GEMM path (AMX off); "vnni x2" every call
-    on the decode kernel (linear_q4_vnni, two levels: what decode steps run where the CPU has AVX-512 VNNI)."""
-    from pagedserve.attention.cpu import bf16_matmul_available
+    perplexity is within 1%. One prefill: "as built" the defaults (two-level int8 activations at every call: the
+    VNNI panels where the CPU has AVX-512 VNNI, AMX tiles from 16 tokens where it has AMX-INT8, else the AVX2
+    panels); "served" the same through the attention backend an engine selects for it (the cpu backend: the
+    batch-invariant float32 paged-attention kernel for every row); "int8 x2" the AVX2/AVX-VNNI panels alone (AMX
+    and VNNI off); "dq gemm" the float32 GEMM of the decoded weights from 64 tokens (no choice takes it now: the
+    baseline); "vnni x2" the VNNI panels alone."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
-    from pagedserve.models.cpu_linear import use_amx, use_dequantized_gemm, use_vnni, vnni_available
+    from pagedserve.models.cpu_linear import (DQ_MIN_TOKENS, use_amx, use_dequantized_gemm, use_vnni,
+                                              vnni_available)
 
     model, tokenizer, cfg = llm_parts
     ids = _fixed_text_ids(tokenizer)
@@ -165,9 +165,10 @@ def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
         engine, info = build_engine(EngineConfig(device="cpu", num_kv_blocks=8), model=llm_int4, tokenizer=tokenizer,
                                     hf_config=cfg)
         backend = engine.executor.worker.runner.backend
-        assert info.prefill_attention_dtype == ("bfloat16" if bf16_matmul_available() else None)
+        assert info.prefill_attention_dtype is None and info.batch_invariant
+        assert info.kernels.startswith("linears: int8 activations x2") and "batch-invariant" in info.kernels
     use_amx(llm_int4, llm_int4.amx_min_tokens if path in ("as built", "served") else 0)
-    use_dequantized_gemm(llm_int4, 0 if path in ("int8 x2", "vnni x2") else llm_int4.dq_min_tokens)
+    use_dequantized_gemm(llm_int4, DQ_MIN_TOKENS if path == "dq gemm" else 0)
     use_vnni(llm_int4, {"as built": llm_int4.vnni_max_tokens, "served": llm_int4.vnni_max_tokens,
                         "vnni x2": 1 << 20}.get(path, 0))
     try:
@@ -279,9 +280,9 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels)
                         linear_kernels=kernels)
     own = model.linear_kernels == "pagedserve-cpu"
     assert own == (kernels != "torch" and cpu_kernel_ops() is not None)
-    levels = {"auto": 2, "int8-activations": 1}.get(kernels, 0) if own else 0   # int8 activations from 16 tokens
-    assert (model.a8_levels, model.a8_min_tokens > 0) == (levels, levels > 0)
-    assert model.dq_min_tokens == (DQ_MIN_TOKENS if own and kernels in ("auto", "float-activations") else 0)
+    levels = {"auto": 2, "int8-activations": 1}.get(kernels, 0) if own else 0   # int8 activations at every call
+    assert (model.a8_levels, model.a8_min_tokens) == (levels, 1 if levels else 0)
+    assert model.dq_min_tokens == 0 and model.batch_invariant == own   # no choice takes the GEMM path
     amx = own and scheme == "int4" and kernels in ("auto", "int8-activations") and amx_available()
     assert model.amx_min_tokens == (AMX_MIN_TOKENS if amx else 0)
     vnni = own and scheme == "int4" and kernels in ("auto", "int8-activations") and vnni_available()
