@@ -4,18 +4,14 @@ decoded weights), in one process, taking turns.
 
     .venv/bin/python bench/prefill.py [--threads 2] [--lengths 256 1024] [--repeats 5] [--greedy 64]
 
-One prefill: the model's forward over a P-token prompt (pagedserve's CPU attention backend as the engine uses it, a
-fresh paged KV cache, block size 16) and the logits of the last position, as the engine computes them. The
-settings (five or six: the AMX ones where the CPU has AMX-INT8) are the same loaded model with ``a8_min_tokens`` set to 0 (float32 activations: ``linear_q4`` /
-``linear_q8``) or :data:`~pagedserve.models.cpu_linear.A8_MIN_TOKENS` (int8 activations: ``linear_q4_a8`` /
-``linear_q8_a8``) in two levels or one ("int8-activations"), or with ``dq_min_tokens`` at
-:data:`~pagedserve.models.cpu_linear.DQ_MIN_TOKENS` too ("dq gemm", linear_kernels "auto": ``dequantize_q4`` /
-``_q8`` and torch's float32 GEMM), prefill attention in bf16 where an engine would run it so (the settings with
-int8 activations, on a CPU with native bf16; "amx x2 fp32 attn" keeps float32), alternated call by call so load
-from other processes hits both alike; the median of ``--repeats`` calls each is printed as ms, prompt tokens/s and
-GFLOP/s-equivalent = 2 x params x P / time, where params are the model's non-embedding parameters (the 30 decoder
-layers' linears and norms and the final norm: the tied LM head is the embedding and runs for one position only, so
-neither it nor attention's score and value products count). The prompt is a fixed English text (Python's bundled
+One prefill: the model's forward over a P-token prompt (a fresh paged KV cache, block size 16) and the logits of the
+last position, as the engine computes them, for each setting of the same loaded model (SETTINGS below: the defaults
+now, "auto"; the defaults before the batch-invariant kernels, "before (dq gemm)", the baseline; and the other
+linear_kernels choices), alternated call by call so load from other processes hits all alike; the median of
+``--repeats`` calls each is printed as ms, prompt tokens/s and GFLOP/s-equivalent = 2 x params x P / time, where
+params are the model's non-embedding parameters (the 30 decoder layers' linears and norms and the final norm: the
+tied LM head is the embedding and runs for one position only, so neither it nor attention's score and value products
+count), and each setting's speed against the baseline's. The prompt is a fixed English text (Python's bundled
 documentation topics).
 
 ``--greedy N``: the 16 chat prompts of ``bench/common.py`` (QUICK_PROMPTS) through the engine together, greedy, N
@@ -38,40 +34,44 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import QUICK_PROMPTS, chat_prompt_ids, configure_threads  # noqa: E402
 from pagedserve.attention.base import AttentionMetadata  # noqa: E402
 from pagedserve.attention.cpu import CpuAttentionBackend, bf16_matmul_available  # noqa: E402
+from pagedserve.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from pagedserve.worker.kv_tensors import allocate_kv_caches  # noqa: E402
-from pagedserve.models.cpu_linear import (A8_MIN_TOKENS, AMX_MIN_TOKENS, DQ_MIN_TOKENS, VNNI_MAX_TOKENS,  # noqa: E402
-                                          amx_available, use_amx, use_dequantized_gemm, use_int8_activations,
-                                          use_vnni, vnni_available)
+from pagedserve.models.cpu_linear import (AMX_MIN_TOKENS, DQ_MIN_TOKENS, VNNI_MAX_TOKENS,  # noqa: E402
+                                          amx_available, amx_matches_panels, use_amx, use_dequantized_gemm,
+                                          use_int8_activations, use_vnni, vnni_available)
 from pagedserve.models.loader import ModelSource  # noqa: E402
 from pagedserve.models.registry import build_model  # noqa: E402
 
-# name: (a8_min_tokens, levels, dq_min_tokens, amx_min_tokens, vnni_max_tokens, bf16 prefill attention); "float32 act" the own float kernels
-# alone, "int8 x2" / "int8 x1" int8 activations in two levels / one, "dq gemm" the float32 GEMM of the decoded weights
-# from DQ_MIN_TOKENS, "amx x2" / "amx x1" int8 activations on AMX tiles from AMX_MIN_TOKENS (only where AMX-INT8
-# runs), and up to VNNI_MAX_TOKENS on the AVX-512 VNNI panels where the CPU has them (decode steps; a prefill of 256+
-# tokens never takes them). linear_kernels "auto" is "amx x2" with AMX, else "dq gemm" (plus the VNNI panels where
-# present); "int8-activations" is "amx x1" with AMX, else "int8 x1".
-# The last element: whether prefill attention runs in bf16, as an engine sets it (attention.cpu.
-# use_bf16_prefill_attention: int8 activations on, and the CPU multiplies bf16 natively); "amx x2 fp32 attn" is
-# "amx x2" with float32 attention, to show what the bf16 attention gives.
+# name: (a8_min_tokens, levels, dq_min_tokens, amx_min_tokens, vnni_max_tokens, attention). "auto" is what the
+# default server runs (linear_kernels "auto": two-level int8 activations at every call, on the AVX-512 VNNI panels
+# where the CPU has them, AMX tiles from 16 tokens where it has AMX-INT8 and they give the panels' bits; attention
+# the batch-invariant float32 kernel); "auto, amx off" the same with AMX off (what an AVX-512 CPU without AMX
+# runs; only where AMX is there); "int8 x1" one level ("int8-activations"); "avx2 panels x2" the AVX2/AVX-VNNI
+# panels alone (an AVX2 CPU's auto); "float32 act" float32 activations ("float-activations"); "before (dq gemm)"
+# the defaults before the batch-invariant kernels, the baseline: torch's float32 GEMM of the decoded weights from
+# 64 tokens (as vLLM's CPU backend runs weights its kernels cannot take) and torch's SDPA for prefill attention, in
+# bf16 where the CPU multiplies bf16 natively.
 VNNI = VNNI_MAX_TOKENS if vnni_available() else 0
+AMX = AMX_MIN_TOKENS if amx_available() and amx_matches_panels() else 0
 BF16 = bf16_matmul_available()
-SETTINGS = {"float32 act": (0, 2, 0, 0, 0, False), "int8 x2": (A8_MIN_TOKENS, 2, 0, 0, 0, BF16),
-            "int8 x1": (A8_MIN_TOKENS, 1, 0, 0, 0, BF16), "dq gemm": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, 0, VNNI, BF16)}
-if amx_available():
-    SETTINGS.update({"amx x2": (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI, BF16),
-                     "amx x1": (A8_MIN_TOKENS, 1, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI, BF16)})
-    if BF16:
-        SETTINGS["amx x2 fp32 attn"] = (A8_MIN_TOKENS, 2, DQ_MIN_TOKENS, AMX_MIN_TOKENS, VNNI, False)
+SETTINGS = {"before (dq gemm)": (16, 2, DQ_MIN_TOKENS, 0, 32 if VNNI else 0, "sdpa"),
+            "float32 act": (0, 2, 0, 0, 0, "kernel"), "avx2 panels x2": (1, 2, 0, 0, 0, "kernel"),
+            "auto": (1, 2, 0, AMX, VNNI, "kernel"), "int8 x1": (1, 1, 0, AMX, VNNI, "kernel")}
+if AMX:
+    SETTINGS["auto, amx off"] = (1, 2, 0, 0, VNNI, "kernel")
 
 
-def use_setting(model, setting: tuple[int, int, int, int, int, bool]) -> CpuAttentionBackend:
+def use_setting(model, setting: tuple) -> object:
     """Set the model's linear paths to ``setting``; returns the attention backend of the setting."""
     use_int8_activations(model, *setting[:2])
     use_dequantized_gemm(model, setting[2])
     use_amx(model, setting[3])
     use_vnni(model, setting[4])
-    return CpuAttentionBackend(prefill_dtype=torch.bfloat16 if setting[5] else None)
+    if setting[5] == "kernel":
+        return CpuAttentionBackend()
+    backend = TorchAttentionBackend()
+    backend.prefill_dtype = torch.bfloat16 if BF16 else None
+    return backend
 
 
 def text_ids(tokenizer, n: int) -> list[int]:
@@ -130,7 +130,7 @@ def bench_prefill(model, tokenizer, lengths: list[int], repeats: int) -> None:
             print(f"P={n:5d} {key:12s} {t * 1e3:8.1f} ms  {n / t:7.1f} tok/s  {2 * params * n / t / 1e9:6.1f} "
                   f"GFLOP/s-eq  (min {min(samples[key]) * 1e3:.1f} ms)")
         for key in list(SETTINGS)[1:]:
-            print(f"P={n:5d} {key} vs float32 activations: {med['float32 act'] / med[key]:.2f}x faster")
+            print(f"P={n:5d} {key} vs before (dq gemm): {med['before (dq gemm)'] / med[key]:.2f}x faster")
 
 
 def greedy_outputs(model, tokenizer, cfg, max_tokens: int, backend) -> list[list[int]]:
@@ -155,7 +155,7 @@ def bench_greedy(model, tokenizer, cfg, max_tokens: int) -> None:
     for key, setting in SETTINGS.items():
         outs[key] = greedy_outputs(model, tokenizer, cfg, max_tokens, use_setting(model, setting))
     a = outs["float32 act"]
-    for key in list(SETTINGS)[1:]:
+    for key in [k for k in SETTINGS if k != "float32 act"]:
         b = outs[key]
         same = sum(x == y for x, y in zip(a, b))
         first = [next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None) for x, y in zip(a, b)]

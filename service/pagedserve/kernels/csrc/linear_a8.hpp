@@ -17,6 +17,8 @@
 // y[t, r] += float(isum) * (dw[b, r] * d[t, b]) per level (+ mw[b, r] * s[t, b] for q4).
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <cstring>
 #include <vector>
 
@@ -151,11 +153,15 @@ inline ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels, bo
     q.a[l].resize(M * K);
     q.d[l].resize(M * nb);
   }
-  for (int64_t t = 0; t < M; ++t) {
-    int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
-    float* d[2] = {q.d[0].data() + t * nb, levels > 1 ? q.d[1].data() + t * nb : nullptr};
-    quantize_row_a8(x + t * K, K, levels, a, d, q.s.data() + t * nb);
-  }
+  // tokens over ATen's threads (a long chunk's quantization is not serial work; inside a parallel region, as in
+  // linear_a8.cpp, it runs on the calling thread); each row's result is the same either way
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
+      float* d[2] = {q.d[0].data() + t * nb, levels > 1 ? q.d[1].data() + t * nb : nullptr};
+      quantize_row_a8(x + t * K, K, levels, a, d, q.s.data() + t * nb);
+    }
+  });
   return q;
 }
 

@@ -32,6 +32,7 @@ namespace {
 constexpr int64_t kVnniRows = 16;                     // rows per panel: one per int32 lane
 constexpr int64_t kVnniBlockBytes = kVnniRows * 16;   // a block of 32 weights x 16 rows, two codes a byte
 constexpr int kVnniTokens = 4;                        // tokens per register tile
+constexpr int64_t kVnniTokenBlock = 128;              // tokens per pass over the panels (their activations in L2)
 
 #define PAGEDSERVE_VNNI512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -41,52 +42,91 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-// acc[t] (lane r: row r of the panel) += the panel's dot products with token t's activations, every block, L levels.
-// a[l]: level l's int8 row of token 0 (tokens K apart); d[l]: its block scales, s the block sums (tokens nb apart).
-template <int T, int L>
-PAGEDSERVE_VNNI512 __attribute__((noinline)) void panel_tile(const uint8_t* codes, const float* dw, const float* mw,
-                                                             int64_t nb, const int8_t* const* a, int64_t K,
-                                                             const float* const* d, const float* s, __m512 acc[T]) {
+// acc[j][t] (lane r: row r of panel j) += J panels' dot products with T tokens' activations, every block, L levels:
+// each activation broadcast serves J panels. Per block and element the order is level 0, level 1, the min term
+// (linear_a8.hpp's tile's order). a[l]: level l's int8 row of token 0 (tokens K apart); d[l]: its block scales, s the
+// block sums (tokens nb apart); codes/dw/mw: panel j's at codes[j], dw[j], mw[j].
+template <int J, int T, int L>
+PAGEDSERVE_VNNI512 __attribute__((noinline)) void panel_tile(const uint8_t* const* codes, const float* const* dw,
+                                                             const float* const* mw, int64_t nb,
+                                                             const int8_t* const* a, int64_t K,
+                                                             const float* const* d, const float* s,
+                                                             __m512 acc[J][T]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i isum[L][T];
-    for (int l = 0; l < L; ++l)
-      for (int t = 0; t < T; ++t) isum[l][t] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(codes + b * kVnniBlockBytes + 64 * j);
-      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    __m512i isum[J][L][T];
+    for (int j = 0; j < J; ++j)
+      for (int l = 0; l < L; ++l)
+        for (int t = 0; t < T; ++t) isum[j][l][t] = _mm512_setzero_si512();
+    for (int q = 0; q < 4; ++q) {
+      __m512i lo[J], hi[J];
+      for (int j = 0; j < J; ++j) {
+        const __m512i v = _mm512_loadu_si512(codes[j] + b * kVnniBlockBytes + 64 * q);
+        lo[j] = _mm512_and_si512(v, low4);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
       for (int l = 0; l < L; ++l)
         for (int t = 0; t < T; ++t) {
-          const int8_t* ap = a[l] + t * K + b * kActBlock + 8 * j;
-          isum[l][t] = _mm512_dpbusd_epi32(isum[l][t], lo, _mm512_set1_epi32(load_i32(ap)));
-          isum[l][t] = _mm512_dpbusd_epi32(isum[l][t], hi, _mm512_set1_epi32(load_i32(ap + 4)));
+          const int8_t* ap = a[l] + t * K + b * kActBlock + 8 * q;
+          const __m512i x0 = _mm512_set1_epi32(load_i32(ap)), x1 = _mm512_set1_epi32(load_i32(ap + 4));
+          for (int j = 0; j < J; ++j) {
+            isum[j][l][t] = _mm512_dpbusd_epi32(isum[j][l][t], lo[j], x0);
+            isum[j][l][t] = _mm512_dpbusd_epi32(isum[j][l][t], hi[j], x1);
+          }
         }
     }
-    const __m512 dwb = _mm512_loadu_ps(dw + b * kVnniRows), mwb = _mm512_loadu_ps(mw + b * kVnniRows);
-    for (int t = 0; t < T; ++t) {
-      for (int l = 0; l < L; ++l)
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[l][t]), _mm512_mul_ps(dwb, _mm512_set1_ps(d[l][t * nb + b])),
-                                 acc[t]);
-      acc[t] = _mm512_fmadd_ps(mwb, _mm512_set1_ps(s[t * nb + b]), acc[t]);
+    for (int j = 0; j < J; ++j) {
+      const __m512 dwb = _mm512_loadu_ps(dw[j] + b * kVnniRows), mwb = _mm512_loadu_ps(mw[j] + b * kVnniRows);
+      for (int t = 0; t < T; ++t) {
+        for (int l = 0; l < L; ++l)
+          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j][l][t]),
+                                      _mm512_mul_ps(dwb, _mm512_set1_ps(d[l][t * nb + b])), acc[j][t]);
+        acc[j][t] = _mm512_fmadd_ps(mwb, _mm512_set1_ps(s[t * nb + b]), acc[j][t]);
+      }
     }
   }
 }
 
-template <int T>
-PAGEDSERVE_VNNI512 void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_t nb,
-                                     const ActsA8& q, int64_t m, int64_t K, float* out, int64_t N, int64_t n0,
+// Tokens m..m+T-1 through panels p..p+J-1 into out (+ bias).
+template <int J, int T>
+PAGEDSERVE_VNNI512 void panel_tokens(const uint8_t* pk, const float* pdw, const float* pmw, int64_t nb,
+                                     const ActsA8& q, int64_t m, int64_t K, float* out, int64_t N, int64_t p,
                                      const float* bias) {
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 acc[J][T];
+  const uint8_t* codes[J];
+  const float *dw[J], *mw[J];
+  for (int j = 0; j < J; ++j) {
+    for (int t = 0; t < T; ++t) acc[j][t] = _mm512_setzero_ps();
+    codes[j] = pk + (p + j) * nb * kVnniBlockBytes;
+    dw[j] = pdw + (p + j) * nb * kVnniRows;
+    mw[j] = pmw + (p + j) * nb * kVnniRows;
+  }
   const int8_t* a[2] = {q.a[0].data() + m * K, q.levels > 1 ? q.a[1].data() + m * K : nullptr};
   const float* d[2] = {q.d[0].data() + m * nb, q.levels > 1 ? q.d[1].data() + m * nb : nullptr};
   const float* s = q.s.data() + m * nb;
-  if (q.levels > 1) panel_tile<T, 2>(codes, dw, mw, nb, a, K, d, s, acc);
-  else panel_tile<T, 1>(codes, dw, mw, nb, a, K, d, s, acc);
-  const int64_t rows = std::min(kVnniRows, N - n0);
-  const __mmask16 mask = rows == kVnniRows ? 0xFFFF : static_cast<__mmask16>((1u << rows) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + (m + t) * N + n0, mask, _mm512_add_ps(acc[t], bv));
+  if (q.levels > 1) panel_tile<J, T, 2>(codes, dw, mw, nb, a, K, d, s, acc);
+  else panel_tile<J, T, 1>(codes, dw, mw, nb, a, K, d, s, acc);
+  for (int j = 0; j < J; ++j) {
+    const int64_t n0 = (p + j) * kVnniRows, rows = std::min(kVnniRows, N - n0);
+    const __mmask16 mask = rows == kVnniRows ? 0xFFFF : static_cast<__mmask16>((1u << rows) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + (m + t) * N + n0, mask, _mm512_add_ps(acc[j][t], bv));
+  }
+}
+
+// Tokens [m0, m1) through J panels from p: tiles of kVnniTokens, then the rest.
+template <int J>
+PAGEDSERVE_VNNI512 void panel_range(const uint8_t* pk, const float* pdw, const float* pmw, int64_t nb,
+                                    const ActsA8& q, int64_t m0, int64_t m1, int64_t K, float* out, int64_t N,
+                                    int64_t p, const float* bias) {
+  int64_t t = m0;
+  for (; t + kVnniTokens <= m1; t += kVnniTokens) panel_tokens<J, kVnniTokens>(pk, pdw, pmw, nb, q, t, K, out, N, p, bias);
+  switch (m1 - t) {
+    case 3: panel_tokens<J, 3>(pk, pdw, pmw, nb, q, t, K, out, N, p, bias); break;
+    case 2: panel_tokens<J, 2>(pk, pdw, pmw, nb, q, t, K, out, N, p, bias); break;
+    case 1: panel_tokens<J, 1>(pk, pdw, pmw, nb, q, t, K, out, N, p, bias); break;
+    default: break;
+  }
 }
 
 bool cpu_has_vnni512() {
@@ -160,18 +200,13 @@ at::Tensor linear_q4_vnni(const at::Tensor& x, const at::Tensor& packed, const a
   const float *pdw = dw.data_ptr<float>(), *pmw = mw.data_ptr<float>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* codes = pk + p * nb * kVnniBlockBytes;
-      const float *d = pdw + p * nb * kVnniRows, *m = pmw + p * nb * kVnniRows;
-      int64_t t = 0;
-      for (; t + kVnniTokens <= M; t += kVnniTokens)
-        panel_tokens<kVnniTokens>(codes, d, m, nb, q, t, K, o, N, p * kVnniRows, b);
-      switch (M - t) {
-        case 3: panel_tokens<3>(codes, d, m, nb, q, t, K, o, N, p * kVnniRows, b); break;
-        case 2: panel_tokens<2>(codes, d, m, nb, q, t, K, o, N, p * kVnniRows, b); break;
-        case 1: panel_tokens<1>(codes, d, m, nb, q, t, K, o, N, p * kVnniRows, b); break;
-        default: break;
+  // work units of two panels (one activation broadcast serves both); an odd last panel alone
+  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kVnniTokenBlock) {   // a block's activations stay in L2 across the panels
+      const int64_t m1 = std::min(M, m0 + kVnniTokenBlock);
+      for (int64_t u = begin; u < end; ++u) {
+        if (2 * u + 1 < P) panel_range<2>(pk, pdw, pmw, nb, q, m0, m1, K, o, N, 2 * u, b);
+        else panel_range<1>(pk, pdw, pmw, nb, q, m0, m1, K, o, N, 2 * u, b);
       }
     }
   });
