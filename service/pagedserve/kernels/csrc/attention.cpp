@@ -45,7 +45,8 @@ struct AttnArgs {
 struct Avx2Lanes {
   using V = __m256;
   static constexpr int W = 8;
-  static constexpr int kSlab = 8;   // value dimensions per register slab (accumulators)
+  static constexpr int kSlab = 8;     // value dimensions per register slab (accumulators) at one vector of lanes
+  static constexpr int kMaxVecs = 1;  // vectors of lanes per tile (16 registers: one)
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -108,6 +109,7 @@ struct Avx512Lanes {
   using V = __m512;
   static constexpr int W = 16;
   static constexpr int kSlab = 16;
+  static constexpr int kMaxVecs = 2;  // prefill tiles of 32 lanes: each key element broadcast once for both vectors
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -190,10 +192,13 @@ std::vector<Tile> make_tiles(const RowPlan& rows, int64_t H, int64_t Hkv, int64_
 // Splits run as items of their own (then merged) when the tiles alone would leave threads idle: fewer than a few
 // tiles per thread, some context of two splits or more. The values do not depend on it.
 template <class Tile>
-bool use_split_items(const std::vector<Tile>& tiles, int64_t max_splits) {
+bool use_split_items(const std::vector<Tile>& tiles, int64_t max_splits, int64_t width) {
   if (max_splits == 1) return false;
   int64_t longest = 0;
-  for (const Tile& t : tiles) longest = std::max(longest, (t.key_hi + kSplitKeys - 1) / kSplitKeys - t.key_lo / kSplitKeys);
+  for (const Tile& t : tiles) {
+    if (t.lanes > width) return false;   // split items take one vector of lanes (decode tiles)
+    longest = std::max(longest, (t.key_hi + kSplitKeys - 1) / kSplitKeys - t.key_lo / kSplitKeys);
+  }
   return longest >= 2 && static_cast<int64_t>(tiles.size()) < 4 * at::get_num_threads();
 }
 
@@ -236,11 +241,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                                   tables, H, Hkv, D, block_size, max_blocks, static_cast<float>(scale),
                                   static_cast<float>(softcap), sinks_p};
     if (attention_avx512()) {
-      const auto tiles = make_tiles<lanes16::Tile>(rows, H, Hkv, sliding_window, 16);
-      lanes16::run(args, tiles, use_split_items(tiles, max_splits), out.data_ptr<float>());
+      const auto tiles = make_tiles<lanes16::Tile>(rows, H, Hkv, sliding_window, lanes16::kMaxLanes);
+      lanes16::run(args, tiles, use_split_items(tiles, max_splits, 16), out.data_ptr<float>());
     } else {
-      const auto tiles = make_tiles<lanes8::Tile>(rows, H, Hkv, sliding_window, 8);
-      lanes8::run(args, tiles, use_split_items(tiles, max_splits), out.data_ptr<float>());
+      const auto tiles = make_tiles<lanes8::Tile>(rows, H, Hkv, sliding_window, lanes8::kMaxLanes);
+      lanes8::run(args, tiles, use_split_items(tiles, max_splits, 8), out.data_ptr<float>());
     }
   }));
   return out;

@@ -21,13 +21,16 @@ namespace PAGEDSERVE_LANES_NS {
 
 using V = VT::V;
 constexpr int W = VT::W;
+constexpr int kMaxVecs = VT::kMaxVecs;   // vectors of lanes per tile at most (prefill tiles; a decode tile has one)
+constexpr int kMaxLanes = kMaxVecs * W;
 
-// One tile: the lanes' queries transposed (qt[d * W + lane]), their key bounds, the sequence's block table.
+// One tile: up to kMaxLanes lanes (NV = ceil(lanes / W) vectors of them), their key bounds.
 struct Tile {
   int64_t seq, kvh, lanes;
   int64_t key_lo, key_hi;   // the union of the lanes' key ranges
-  int64_t out_row[W], out_head[W];
-  float lo[W], hi[W];       // per lane; unused lanes have lo = hi = 0 (every key masked)
+  int64_t out_row[kMaxLanes], out_head[kMaxLanes];
+  alignas(64) float lo[kMaxLanes];   // per lane; unused lanes have lo = hi = 0 (every key masked)
+  alignas(64) float hi[kMaxLanes];
 };
 
 // Rows of keys [j0, j1) of the tile's KV head as float32 pointers: into the cache for float32, else widened into buf.
@@ -48,44 +51,60 @@ void key_rows(const AttnArgs<C>& a, const C* cache, const Tile& t, int64_t j0, i
   }
 }
 
-// Scores of keys [0, n) (rows[j]) for the tile's lanes into sc[j * W + lane], 8 keys at a time (8 independent fma
-// chains); the masked ones -inf. j0: the absolute position of key 0.
+// Scores of keys [0, n) (rows[j]) for the tile's NV * W lanes into sc[(j * NV + v) * W + lane], 8 keys at a time (8
+// independent fma chains per vector, each key element broadcast once for the NV vectors); the masked ones -inf. j0:
+// the absolute position of key 0. qt[(d * NV + v) * W + lane].
+template <int NV>
 inline void scores(const float* qt, int64_t D, const float* const* rows, int64_t n, int64_t j0, const Tile& t,
                    float scale, float softcap, float* sc) {
-  const V lo = VT::load(t.lo), hi = VT::load(t.hi), sv = VT::set1(scale);
+  V lo[NV], hi[NV];
+  for (int v = 0; v < NV; ++v) lo[v] = VT::load(t.lo + v * W), hi[v] = VT::load(t.hi + v * W);
+  const V sv = VT::set1(scale);
   for (int64_t j = 0; j < n; j += 8) {
     const float* r[8];
     for (int i = 0; i < 8; ++i) r[i] = rows[std::min<int64_t>(j + i, n - 1)];   // past n: a repeat, dropped
-    V acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = VT::zero();
+    V acc[8][NV];
+    for (int i = 0; i < 8; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = VT::zero();
     for (int64_t d = 0; d < D; ++d) {
-      const V qv = VT::load(qt + d * W);
-      for (int i = 0; i < 8; ++i) acc[i] = VT::fma(qv, VT::set1(r[i][d]), acc[i]);
-    }
-    for (int i = 0; i < 8 && j + i < n; ++i) {
-      V s = VT::mul(acc[i], sv);
-      if (softcap > 0.0f) {
-        alignas(64) float tmp[W];
-        VT::store(tmp, s);
-        for (int l = 0; l < W; ++l) tmp[l] = softcap * std::tanh(tmp[l] / softcap);
-        s = VT::load(tmp);
+      V qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = VT::load(qt + (d * NV + v) * W);
+      for (int i = 0; i < 8; ++i) {
+        const V kv = VT::set1(r[i][d]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = VT::fma(qv[v], kv, acc[i][v]);
       }
-      VT::store(sc + (j + i) * W, VT::mask_outside(s, static_cast<float>(j0 + j + i), lo, hi));
     }
+    for (int i = 0; i < 8 && j + i < n; ++i)
+      for (int v = 0; v < NV; ++v) {
+        V s = VT::mul(acc[i][v], sv);
+        if (softcap > 0.0f) {
+          alignas(64) float tmp[W];
+          VT::store(tmp, s);
+          for (int l = 0; l < W; ++l) tmp[l] = softcap * std::tanh(tmp[l] / softcap);
+          s = VT::load(tmp);
+        }
+        VT::store(sc + ((j + i) * NV + v) * W, VT::mask_outside(s, static_cast<float>(j0 + j + i), lo[v], hi[v]));
+      }
   }
 }
 
-// o[d * W + lane] = sum_j p[j * W + lane] * rows[j][d] for d in [d0, d0 + NA), keys in order.
-template <int NA>
+// o[(d * NV + v) * W + lane] = sum_j p[(j * NV + v) * W + lane] * rows[j][d] for d in [d0, d0 + NA), keys in order.
+template <int NA, int NV>
 inline void pv_slab(const float* p, const float* const* rows, int64_t n, int64_t d0, float* o) {
-  V acc[NA];
-  for (int i = 0; i < NA; ++i) acc[i] = VT::zero();
+  V acc[NA][NV];
+  for (int i = 0; i < NA; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = VT::zero();
   for (int64_t j = 0; j < n; ++j) {
-    const V pj = VT::load(p + j * W);
+    V pj[NV];
+    for (int v = 0; v < NV; ++v) pj[v] = VT::load(p + (j * NV + v) * W);
     const float* r = rows[j] + d0;
-    for (int i = 0; i < NA; ++i) acc[i] = VT::fma(pj, VT::set1(r[i]), acc[i]);
+    for (int i = 0; i < NA; ++i) {
+      const V x = VT::set1(r[i]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = VT::fma(pj[v], x, acc[i][v]);
+    }
   }
-  for (int i = 0; i < NA; ++i) VT::store(o + (d0 + i) * W, acc[i]);
+  for (int i = 0; i < NA; ++i)
+    for (int v = 0; v < NV; ++v) VT::store(o + ((d0 + i) * NV + v) * W, acc[i][v]);
 }
 
 // Per-thread buffers for one tile's split.
@@ -93,8 +112,8 @@ struct Scratch {
   std::vector<float> qt, sc, kbuf, vbuf;
   std::vector<const float*> krows, vrows;
   void reserve(int64_t D) {
-    qt.resize(D * W);
-    sc.resize(kSplitKeys * W);
+    qt.resize(D * kMaxLanes);
+    sc.resize(kSplitKeys * kMaxLanes);
     kbuf.resize(kSplitKeys * D);
     vbuf.resize(kSplitKeys * D);
     krows.resize(kSplitKeys);
@@ -102,119 +121,138 @@ struct Scratch {
   }
 };
 
-// Split s of the tile: m[W], l[W], o[D * W] (lane-minor).
-template <class C>
+// Split s of the tile (NV vectors of lanes): m[NV * W], l[NV * W], o[D * NV * W] (lane-minor).
+template <int NV, class C>
 void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, float* m, float* l, float* o) {
   const int64_t j0 = std::max(t.key_lo, s * kSplitKeys), j1 = std::min(t.key_hi, (s + 1) * kSplitKeys), n = j1 - j0;
   if (n <= 0) {
-    VT::store(m, VT::set1(-INFINITY));
-    VT::store(l, VT::zero());
-    std::fill_n(o, a.D * W, 0.0f);
+    for (int v = 0; v < NV; ++v) VT::store(m + v * W, VT::set1(-INFINITY)), VT::store(l + v * W, VT::zero());
+    std::fill_n(o, a.D * NV * W, 0.0f);
     return;
   }
   key_rows(a, a.k, t, j0, j1, w.kbuf.data(), w.krows.data());
-  scores(w.qt.data(), a.D, w.krows.data(), n, j0, t, a.scale, a.softcap, w.sc.data());
+  scores<NV>(w.qt.data(), a.D, w.krows.data(), n, j0, t, a.scale, a.softcap, w.sc.data());
   float* sc = w.sc.data();
-  V mx = VT::set1(-INFINITY);
-  for (int64_t j = 0; j < n; ++j) mx = VT::max(mx, VT::load(sc + j * W));
-  const V msafe = VT::zero_where_neg_inf(mx, mx);
-  V sum = VT::zero();
-  for (int64_t j = 0; j < n; ++j) {
-    const V p = VT::exp(VT::sub(VT::load(sc + j * W), msafe));
-    VT::store(sc + j * W, p);
-    sum = VT::add(sum, p);
+  for (int v = 0; v < NV; ++v) {
+    V mx = VT::set1(-INFINITY);
+    for (int64_t j = 0; j < n; ++j) mx = VT::max(mx, VT::load(sc + (j * NV + v) * W));
+    const V msafe = VT::zero_where_neg_inf(mx, mx);
+    V sum = VT::zero();
+    for (int64_t j = 0; j < n; ++j) {
+      const V p = VT::exp(VT::sub(VT::load(sc + (j * NV + v) * W), msafe));
+      VT::store(sc + (j * NV + v) * W, p);
+      sum = VT::add(sum, p);
+    }
+    VT::store(m + v * W, mx);
+    VT::store(l + v * W, sum);
   }
-  VT::store(m, mx);
-  VT::store(l, sum);
   key_rows(a, a.v, t, j0, j1, w.vbuf.data(), w.vrows.data());
+  constexpr int kSlab = VT::kSlab / NV;
   int64_t d0 = 0;
-  for (; d0 + VT::kSlab <= a.D; d0 += VT::kSlab) pv_slab<VT::kSlab>(sc, w.vrows.data(), n, d0, o);
-  for (; d0 < a.D; d0 += 8) pv_slab<8>(sc, w.vrows.data(), n, d0, o);
+  for (; d0 + kSlab <= a.D; d0 += kSlab) pv_slab<kSlab, NV>(sc, w.vrows.data(), n, d0, o);
+  for (; d0 < a.D; d0 += 8) pv_slab<8, NV>(sc, w.vrows.data(), n, d0, o);
 }
 
-// (M, L, O) <- merge with a split's (m, l, o).
-inline void merge(float* M, float* L, float* O, const float* m, const float* l, const float* o, int64_t D) {
-  const V Mo = VT::load(M), ms = VT::load(m), Mn = VT::max(Mo, ms);
-  const V ea = VT::zero_where_neg_inf(VT::exp(VT::sub(Mo, VT::zero_where_neg_inf(Mn, Mn))), Mo);
-  const V eb = VT::zero_where_neg_inf(VT::exp(VT::sub(ms, VT::zero_where_neg_inf(Mn, Mn))), ms);
-  VT::store(M, Mn);
-  VT::store(L, VT::add(VT::mul(VT::load(L), ea), VT::mul(VT::load(l), eb)));
-  for (int64_t d = 0; d < D; ++d)
-    VT::store(O + d * W, VT::add(VT::mul(VT::load(O + d * W), ea), VT::mul(VT::load(o + d * W), eb)));
+// (M, L, O) <- merge with a split's (m, l, o); NV vectors of lanes.
+template <int NV>
+void merge(float* M, float* L, float* O, const float* m, const float* l, const float* o, int64_t D) {
+  for (int v = 0; v < NV; ++v) {
+    const V Mo = VT::load(M + v * W), ms = VT::load(m + v * W), Mn = VT::max(Mo, ms);
+    const V ea = VT::zero_where_neg_inf(VT::exp(VT::sub(Mo, VT::zero_where_neg_inf(Mn, Mn))), Mo);
+    const V eb = VT::zero_where_neg_inf(VT::exp(VT::sub(ms, VT::zero_where_neg_inf(Mn, Mn))), ms);
+    VT::store(M + v * W, Mn);
+    VT::store(L + v * W, VT::add(VT::mul(VT::load(L + v * W), ea), VT::mul(VT::load(l + v * W), eb)));
+    for (int64_t d = 0; d < D; ++d) {
+      float *Od = O + (d * NV + v) * W;
+      const float* od = o + (d * NV + v) * W;
+      VT::store(Od, VT::add(VT::mul(VT::load(Od), ea), VT::mul(VT::load(od), eb)));
+    }
+  }
 }
 
 // The merged state to out[row, head, :] for the tile's lanes (sinks folded in first).
-template <class C>
+template <int NV, class C>
 void finish(const AttnArgs<C>& a, const Tile& t, float* M, float* L, float* O, float* out) {
-  V scale_o = VT::set1(1.0f), Lv = VT::load(L);
-  if (a.sinks) {
-    alignas(64) float sk[W];
-    for (int l = 0; l < W; ++l) sk[l] = l < t.lanes ? a.sinks[t.out_head[l]] : 0.0f;
-    const V sv = VT::load(sk), Mv = VT::load(M), Mn = VT::max(Mv, sv);
-    scale_o = VT::zero_where_neg_inf(VT::exp(VT::sub(Mv, Mn)), Mv);
-    Lv = VT::add(VT::mul(Lv, scale_o), VT::exp(VT::sub(sv, Mn)));
-  }
-  const V inv = VT::mul(scale_o, VT::div(VT::set1(1.0f), Lv));
-  alignas(64) float col[W];
-  for (int64_t d = 0; d < a.D; ++d) {
-    VT::store(col, VT::mul(VT::load(O + d * W), inv));
-    for (int64_t l = 0; l < t.lanes; ++l) out[(t.out_row[l] * a.H + t.out_head[l]) * a.D + d] = col[l];
+  for (int v = 0; v < NV; ++v) {
+    V scale_o = VT::set1(1.0f), Lv = VT::load(L + v * W);
+    if (a.sinks) {
+      alignas(64) float sk[W];
+      for (int l = 0; l < W; ++l) sk[l] = v * W + l < t.lanes ? a.sinks[t.out_head[v * W + l]] : 0.0f;
+      const V sv = VT::load(sk), Mv = VT::load(M + v * W), Mn = VT::max(Mv, sv);
+      scale_o = VT::zero_where_neg_inf(VT::exp(VT::sub(Mv, Mn)), Mv);
+      Lv = VT::add(VT::mul(Lv, scale_o), VT::exp(VT::sub(sv, Mn)));
+    }
+    const V inv = VT::mul(scale_o, VT::div(VT::set1(1.0f), Lv));
+    alignas(64) float col[W];
+    const int64_t lanes = std::min<int64_t>(W, t.lanes - v * W);
+    for (int64_t d = 0; d < a.D; ++d) {
+      VT::store(col, VT::mul(VT::load(O + (d * NV + v) * W), inv));
+      for (int64_t l = 0; l < lanes; ++l)
+        out[(t.out_row[v * W + l] * a.H + t.out_head[v * W + l]) * a.D + d] = col[l];
+    }
   }
 }
 
-template <class C>
+template <int NV, class C>
 void load_queries(const AttnArgs<C>& a, const Tile& t, float* qt) {
-  std::fill_n(qt, a.D * W, 0.0f);
+  std::fill_n(qt, a.D * NV * W, 0.0f);
   for (int64_t l = 0; l < t.lanes; ++l) {
     const float* q = a.q + (t.out_row[l] * a.H + t.out_head[l]) * a.D;
-    for (int64_t d = 0; d < a.D; ++d) qt[d * W + l] = q[d];
+    for (int64_t d = 0; d < a.D; ++d) qt[(d * NV + l / W) * W + l % W] = q[d];
   }
+}
+
+// One tile, every split in turn, merged: the output rows.
+template <int NV, class C>
+void tile_all(const AttnArgs<C>& a, const Tile& t, int64_t first, int64_t count, Scratch& w, float* st, float* tot,
+              float* out) {
+  const int64_t D = a.D;
+  load_queries<NV>(a, t, w.qt.data());
+  for (int v = 0; v < NV; ++v) VT::store(tot + v * W, VT::set1(-INFINITY)), VT::store(tot + (NV + v) * W, VT::zero());
+  std::fill_n(tot + 2 * NV * W, D * NV * W, 0.0f);
+  for (int64_t s = 0; s < count; ++s) {
+    split_state<NV>(a, t, first + s, w, st, st + NV * W, st + 2 * NV * W);
+    merge<NV>(tot, tot + NV * W, tot + 2 * NV * W, st, st + NV * W, st + 2 * NV * W, D);
+  }
+  finish<NV>(a, t, tot, tot + NV * W, tot + 2 * NV * W, out);
 }
 
 // The call: tiles over threads (dynamic: largest first); with split_items, (tile, split) items whose states are merged
-// after a second pass.
+// after a second pass (split items come from decode tiles only, so one vector of lanes).
 template <class C>
 void run(const AttnArgs<C>& a, const std::vector<Tile>& tiles, bool split_items, float* out) {
-  const int64_t nt = static_cast<int64_t>(tiles.size()), D = a.D, rec = (D + 2) * W;
+  const int64_t nt = static_cast<int64_t>(tiles.size()), D = a.D, rec = (D + 2) * W, rec_max = (D + 2) * kMaxLanes;
   std::vector<int64_t> first_split(nt), nsplit(nt), order(nt);
-  int64_t items = 0;
   for (int64_t i = 0; i < nt; ++i) {
     first_split[i] = tiles[i].key_lo / kSplitKeys;
     nsplit[i] = (tiles[i].key_hi + kSplitKeys - 1) / kSplitKeys - first_split[i];
     order[i] = i;
+    if (split_items) TORCH_CHECK(tiles[i].lanes <= W, "paged_attention: split items need one vector of lanes");
   }
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
     return tiles[x].key_hi - tiles[x].key_lo > tiles[y].key_hi - tiles[y].key_lo;
   });
   std::vector<int64_t> item_base(nt + 1, 0);
   for (int64_t i = 0; i < nt; ++i) item_base[i + 1] = item_base[i] + (split_items ? nsplit[i] : 1);
-  items = item_base[nt];
+  const int64_t items = item_base[nt];
   std::vector<float> partial(split_items ? items * rec : 0);
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch w;
     w.reserve(D);
-    std::vector<float> st(rec), tot(rec);
+    std::vector<float> st(rec_max), tot(rec_max);
     for (int64_t k; (k = next.fetch_add(1)) < items;) {
-      if (split_items) {   // item k: a split of some tile, tiles in their own order here (no sort needed)
+      if (split_items) {   // item k: a split of some tile
         const int64_t ti = std::upper_bound(item_base.begin(), item_base.end(), k) - item_base.begin() - 1;
-        const Tile& t = tiles[ti];
         float* r = partial.data() + k * rec;
-        load_queries(a, t, w.qt.data());
-        split_state(a, t, first_split[ti] + (k - item_base[ti]), w, r, r + W, r + 2 * W);
+        load_queries<1>(a, tiles[ti], w.qt.data());
+        split_state<1>(a, tiles[ti], first_split[ti] + (k - item_base[ti]), w, r, r + W, r + 2 * W);
         continue;
       }
-      const Tile& t = tiles[order[k]];
-      load_queries(a, t, w.qt.data());
-      VT::store(tot.data(), VT::set1(-INFINITY));
-      VT::store(tot.data() + W, VT::zero());
-      std::fill(tot.begin() + 2 * W, tot.end(), 0.0f);
-      for (int64_t s = 0; s < nsplit[order[k]]; ++s) {
-        split_state(a, t, first_split[order[k]] + s, w, st.data(), st.data() + W, st.data() + 2 * W);
-        merge(tot.data(), tot.data() + W, tot.data() + 2 * W, st.data(), st.data() + W, st.data() + 2 * W, D);
-      }
-      finish(a, t, tot.data(), tot.data() + W, tot.data() + 2 * W, out);
+      const int64_t ti = order[k];
+      if (tiles[ti].lanes <= W) tile_all<1>(a, tiles[ti], first_split[ti], nsplit[ti], w, st.data(), tot.data(), out);
+      else tile_all<kMaxVecs>(a, tiles[ti], first_split[ti], nsplit[ti], w, st.data(), tot.data(), out);
     }
   });
   if (!split_items) return;
@@ -226,9 +264,9 @@ void run(const AttnArgs<C>& a, const std::vector<Tile>& tiles, bool split_items,
       std::fill(tot.begin() + 2 * W, tot.end(), 0.0f);
       for (int64_t k = item_base[ti]; k < item_base[ti + 1]; ++k) {
         const float* r = partial.data() + k * rec;
-        merge(tot.data(), tot.data() + W, tot.data() + 2 * W, r, r + W, r + 2 * W, D);
+        merge<1>(tot.data(), tot.data() + W, tot.data() + 2 * W, r, r + W, r + 2 * W, D);
       }
-      finish(a, tiles[ti], tot.data(), tot.data() + W, tot.data() + 2 * W, out);
+      finish<1>(a, tiles[ti], tot.data(), tot.data() + W, tot.data() + 2 * W, out);
     }
   });
 }
