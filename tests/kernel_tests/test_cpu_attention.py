@@ -256,3 +256,5 @@ def test_model_info_reports_the_kv_cache_dtype(server, client):
     assert list(info.sliding_windows) == [] and (info.num_experts, info.num_experts_per_token) == (0, 0)
     assert info.kv_block_bytes == info.block_size * 2 * 30 * 3 * 64 * 4
     assert server.engine.executor.worker.runner.kv_caches[0][0].dtype == torch.float32
+    if info.attention_backend == "cpu" and cpu_decode_kernel_available():   # README, "Deterministic outputs"
+        assert info.batch_invariant and "attention: batch-invariant paged attention" in info.kernels
