@@ -1,10 +1,8 @@
 """Linear layers over pagedserve's own CPU kernels (:mod:`pagedserve.kernels.cpu_build`), chosen at load.
 
-At decode a linear reads every weight once per step for a handful of tokens, so its speed is the speed at which the
-weights stream from memory. torch's fp32 ``F.linear`` reaches about 9 GB/s there on this project's AVX2 machine
-(a third of a plain memory read), and its int4/int8 CPU kernels are vectorized only for bfloat16 activations; the
-kernels in ``csrc/linear_*.cpp`` stream float32, 4-bit and 8-bit weights with float32 activations and
-accumulation (``bench/linear_probe.py`` measures each layer against a memory copy in the same run).
+At decode a linear reads every weight once per step for a few tokens (its speed is the speed at which the weights
+stream from memory), at prefill it is compute-bound; torch's int4/int8 CPU kernels are vectorized only for bfloat16
+activations. The kernels in ``csrc/linear_*.cpp`` take float32, 4-bit and 8-bit weights with float32 activations.
 
 Layers (x: ``[..., K]`` in the compute dtype; returns ``[..., N]`` in x's dtype):
 
