@@ -60,8 +60,8 @@ log = structlog.get_logger(__name__)
 # within the quantization tests' agreement bound; one level, "int8-activations", is llama.cpp's numerics).
 A8_MIN_TOKENS = 1
 A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choice (others: none)
-# The float32 GEMM of the decoded weight (torch's BLAS): no linear_kernels choice takes it any more (its result for a
-# row depends on how many rows share the call); bench/prefill.py keeps it as the baseline vLLM's CPU backend runs.
+# The float32 GEMM of the decoded weight (torch's BLAS; a row's result depends on the call's shape): no choice takes
+# it now; bench/prefill.py keeps it as the baseline.
 DQ_MIN_TOKENS = 64
 DQ_MAX_WEIGHTS = 1 << 22   # larger weights (an LM head: 28 M) keep the own kernels: no 100+ MB float32 copy per call
 DQ_CHOICES = ()
