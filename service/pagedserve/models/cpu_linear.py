@@ -64,7 +64,6 @@ A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choi
 # it now; bench/prefill.py keeps it as the baseline.
 DQ_MIN_TOKENS = 64
 DQ_MAX_WEIGHTS = 1 << 22   # larger weights (an LM head: 28 M) keep the own kernels: no 100+ MB float32 copy per call
-DQ_CHOICES = ()
 # Tokens from which "auto" / "int8-activations" run the int4 layers' int8 activations on AMX tiles where the CPU has
 # AMX-INT8 (linear_q4_amx: the same bits as linear_q4_vnni and linear_q4_a8, checked at load by use_amx). One
 # thread, ms per call, Xeon (AMX), two levels vs float32 GEMM of the decoded weight: 3072 x 576 M=64 0.94 vs 2.88,

@@ -71,10 +71,9 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
             unknown ``quantization``; :class:`~.decoder.UnsupportedConfig` (a ValueError) for a config field the
             family cannot run exactly, named in the message (raised before any weight is read).
     """
-    from .cpu_linear import (A8_LEVELS, A8_MIN_TOKENS, AMX_CHOICES, AMX_MIN_TOKENS, DQ_CHOICES, DQ_MIN_TOKENS,
-                             VNNI_CHOICES, VNNI_MAX_TOKENS, use_vnni, vnni_available,
-                             amx_available, amx_matches_panels, cpu_kernels_enabled, linear_path_of, use_amx, use_cpu_kernels, use_dequantized_gemm,
-                             use_int8_activations)
+    from .cpu_linear import (A8_LEVELS, A8_MIN_TOKENS, AMX_CHOICES, AMX_MIN_TOKENS, VNNI_CHOICES, VNNI_MAX_TOKENS,
+                             amx_available, amx_matches_panels, cpu_kernels_enabled, linear_path_of, use_amx,
+                             use_cpu_kernels, use_int8_activations, use_vnni, vnni_available)
     from .quant_load import QuantPlan, prepare_model, resolve_scheme
 
     arch = architecture_of(config)
@@ -105,14 +104,12 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
         levels = A8_LEVELS.get(linear_kernels, 0)
         if levels and use_int8_activations(model, A8_MIN_TOKENS, levels):
             model.a8_min_tokens, model.a8_levels = A8_MIN_TOKENS, levels
-        if linear_kernels in DQ_CHOICES and use_dequantized_gemm(model, DQ_MIN_TOKENS):
-            model.dq_min_tokens = DQ_MIN_TOKENS
         if linear_kernels in AMX_CHOICES and amx_available() and amx_matches_panels() and \
                 use_amx(model, AMX_MIN_TOKENS):
             model.amx_min_tokens = AMX_MIN_TOKENS
         if linear_kernels in VNNI_CHOICES and vnni_available() and use_vnni(model, VNNI_MAX_TOKENS):
             model.vnni_max_tokens = VNNI_MAX_TOKENS
-        model.batch_invariant = not model.dq_min_tokens   # every other path is one scheme for every token count
+        model.batch_invariant = True   # every own path is one scheme for every token count (no GEMM path)
         model.linear_path = linear_path_of(model)
 
     release_freed_heap()
