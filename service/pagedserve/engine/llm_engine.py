@@ -62,7 +62,7 @@ class LLMEngine:
                                        group_windows=kv_group_windows)
         speculative = config.speculative()
         self.deadlines = DeadlinePolicy(config.long_prefill_token_threshold or config.max_num_batched_tokens,
-                                        config.max_queue_time_s, config.deadline_scheduling)
+                                        config.max_queue_time_s, config.deadline_scheduling, config.max_num_seqs)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_waiting_requests, max_model_len,
                                    text=OutputText(tokenizer),
@@ -128,7 +128,9 @@ class LLMEngine:
         ids, max_tokens = self.inputs.generation(prompt_token_ids, params)
         if deadline is not None and self.deadlines.enabled:
             probe = Request(request_id, ids, params, max_tokens, self.eos_token_ids, deadline=deadline)
-            error = self.deadlines.refusal(probe, time.monotonic(), self.scheduler.running)
+            now, running = time.monotonic(), self.scheduler.running
+            error = self.deadlines.refusal(probe, now, running,
+                                           self.deadlines.load(running, now, self.scheduler.num_waiting))
             if error is not None:
                 raise error
         self._check_room(params.n)
@@ -243,7 +245,8 @@ class LLMEngine:
         self.structured.grammar_bitmask(sched, self.scheduler.requests)
         start = time.monotonic()
         result = self.executor.execute(sched)
-        self.deadlines.timer.observe(time.monotonic() - start)
+        self.deadlines.observe_step(time.monotonic() - start, len(sched.num_scheduled_tokens),
+                                    sched.num_batched_tokens, self.scheduler.running)
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
         deltas = self.outputs.process(outputs)

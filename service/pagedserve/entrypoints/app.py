@@ -95,8 +95,8 @@ class App:
                           quantization=info.quantization, linear_kernels=info.linear_kernels,
                           speculative=info.speculative, kv_cache_dtype=info.kv_cache_dtype,
                           prefill_attention_dtype=info.prefill_attention_dtype, architecture=info.architecture,
-                          sliding_windows=sorted({w for w in info.sliding_windows if w}) or None,
-                          num_experts=info.num_experts or None,
+                          sliding_windows=sorted({w for w in info.sliding_windows if w}),   # as /v1/models:
+                          num_experts=info.num_experts,                                      # [] and 0 if dense
                           compile_s=None if info.compile_s is None else round(info.compile_s, 2),
                           deadline_scheduling=generation.engine.engine.config.deadline_scheduling,
                           max_queue_time_s=generation.engine.engine.config.max_queue_time_s,

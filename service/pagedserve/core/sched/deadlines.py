@@ -1,4 +1,5 @@
-"""Deadlines the scheduler keeps: refuse, before any prefill, what cannot finish in time.
+"""Deadlines the scheduler keeps: refuse, before any prefill, what cannot finish in time; admit nothing that would
+make an admitted request miss its deadline.
 
 A call's deadline (the gRPC deadline, the HTTP body's ``timeout``) reaches the engine as an absolute
 ``time.monotonic()`` second on :attr:`Request.deadline`. Within a priority the waiting queue is ordered earliest
@@ -7,37 +8,45 @@ step, and when a request arrives, every waiting request that was never admitted 
 
 - its deadline has passed, or
 - it cannot finish by it even if it started now (checked while requests run, so the step time is current, and
-  only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + (prefill
-  steps + max_tokens) * step time * slowdown > deadline``, where the step time is the mean wall time of the
-  executor's recent steps (:class:`StepTimer`; each step advances every running request by one token, and a
-  prompt needs ``ceil(prompt / long_prefill_token_threshold)`` steps) and the slowdown how much longer recent
-  admitted requests took than planned, with headroom (:attr:`DeadlinePolicy.slowdown`), or
+  only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + service *
+  slowdown > deadline``, where the service time is estimated at the batch it would run in
+  (:meth:`.service_time.BatchLoad.service_s`: the prompts of the requests queued or arriving that will take the
+  seats freed during its steps reserved, at the step time model fitted on the executor's recent steps) and the
+  slowdown is how much longer recent admitted requests took than that model said of their steps, with headroom
+  (:attr:`DeadlinePolicy.slowdown`), or
 - it has no deadline and has waited ``max_queue_time_s`` (``--max-queue-time-s``).
 
 Such a request is refused with :class:`~pagedserve.errors.DeadlineError` (gRPC DEADLINE_EXCEEDED with a
 ``google.rpc.RetryInfo``, HTTP 504 with ``Retry-After``) carrying a retry hint: the estimated time until a running
 request finishes and frees its seat. It has spent no prefill: only requests with no computed token are refused
 (a preempted request, admitted once, runs on). Until a step has been measured only the first and last checks run.
+
+The estimate can still fall short after admission (more requests arrive than expected, a prompt larger than the
+reserved one joins, the machine slows down), so the scheduler re-checks when the batch would grow: before it admits
+a waiting request it asks whether that would make a running request miss a deadline it can still meet
+(:meth:`DeadlinePolicy.holds`); if so the waiting request waits (and is refused later, before any prefill, if it
+can no longer finish): prompts joining a batch are what slow its requests most.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from ...errors import DeadlineError
 from ...request import Request
+from .service_time import ArrivalRate, BatchLoad, StepCost, StepLog, further_tokens, remaining_steps, steps_needed
 
 STEP_WINDOW = 64   # steps the measured step time averages over
 SLOWDOWN_WINDOW = 32   # admitted requests whose service time calibrates the estimate
 SLOWDOWN_MIN_SAMPLES = 8
-SLOWDOWN_HEADROOM = 1.1   # beyond it: a burst of admissions slows the next requests before any of them ends
+SLOWDOWN_HEADROOM = 1.1   # beyond the slowest ratio: what the window has not seen yet
 
 
 class StepTimer:
-    """The measured step time: the mean wall seconds of the executor's last :data:`STEP_WINDOW` steps (prefill
-    chunks and decodes alike: under load a request's decode steps carry other requests' prefill chunks too, so the
-    mean over a window is its expected time per token; one slow step moves it by 1/64 of its excess)."""
+    """The mean wall seconds of the executor's last :data:`STEP_WINDOW` steps (prefill chunks and decodes alike),
+    for the retry hint and the refusal's message (the estimate uses :class:`.service_time.StepCost`)."""
 
     def __init__(self, window: int = STEP_WINDOW) -> None:
         self._recent: deque[float] = deque(maxlen=window)
@@ -77,57 +86,84 @@ class DeadlinePolicy:
     Args:
         prefill_chunk: tokens one prefill step takes at most (the scheduler's ``long_prefill_token_threshold``).
         max_queue_time_s: waiting seconds at most for a request without a deadline (None: unbounded).
-        enabled: False ignores deadlines (no refusal by deadline; EDF off): the baseline of bench/deadlines.py.
+        enabled: False ignores deadlines (no refusal by deadline; EDF off, no hold): the baseline of
+            bench/deadlines.py.
+        max_num_seqs: the scheduler's seats (the batch a request runs in).
     """
 
-    def __init__(self, prefill_chunk: int, max_queue_time_s: float | None = None, enabled: bool = True):
+    def __init__(self, prefill_chunk: int, max_queue_time_s: float | None = None, enabled: bool = True,
+                 max_num_seqs: int = 1):
         self.prefill_chunk = max(1, prefill_chunk)
         self.max_queue_time_s = max_queue_time_s
         self.enabled = enabled
+        self.max_num_seqs = max(1, max_num_seqs)
         self.timer = StepTimer()
+        self.cost = StepCost()
+        self.arrivals = ArrivalRate()
         self.stats = DeadlineStats()
-        self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)   # service time / estimate, admitted requests
+        self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)   # wall time / their steps as modelled
 
     def steps_needed(self, prompt_tokens: int, output_tokens: int) -> int:
-        """Steps from admission to the last of ``output_tokens``: the prompt's prefill chunks, then one step per
-        further token."""
-        return math.ceil(prompt_tokens / self.prefill_chunk) + max(0, output_tokens - 1)
+        """:func:`.service_time.steps_needed` at this policy's prefill chunk."""
+        return steps_needed(prompt_tokens, output_tokens, self.prefill_chunk)
+
+    def observe_step(self, seconds: float, rows: int, tokens: int, running: list[Request] = ()) -> None:
+        """The executor ran a step of ``rows`` requests and ``tokens`` tokens in ``seconds``; ``running``: the
+        requests in it (their :class:`.service_time.StepLog`)."""
+        for r in running:
+            if r.step_log is not None:
+                r.step_log.add(rows, tokens)
+        self.timer.observe(seconds)
+        self.cost.observe(seconds, rows, tokens)
 
     @property
     def slowdown(self) -> float:
-        """How much longer admitted requests took than planned (:meth:`on_finished`): the largest ratio over the
-        last :data:`SLOWDOWN_WINDOW` admitted requests that ended (1.0 until :data:`SLOWDOWN_MIN_SAMPLES` did),
-        times :data:`SLOWDOWN_HEADROOM`. It covers what the mean step misses: a request's own prefill step is
-        longer than the mean, and requests admitted after it add their prompts to its steps (bench/deadlines.py:
-        admitted requests take up to 1.25x the plain estimate in bursts, and the window learns a burst only as its
-        requests end)."""
+        """How much longer admitted requests took than the step time model said at their admission of the steps they
+        ran in (:meth:`on_finished`): the largest ratio over the last :data:`SLOWDOWN_WINDOW` admitted requests
+        that ended, at least 1 (1 until :data:`SLOWDOWN_MIN_SAMPLES` did), times :data:`SLOWDOWN_HEADROOM`. It
+        covers what the model misses (a step's cost is not linear in its prompts; the time between steps) and a
+        machine that runs slower than the steps the model was fitted on. How many prompts joined their steps is
+        not in it: more than estimated is what :meth:`holds` keeps from hurting them."""
         worst = max(self._ratios) if len(self._ratios) >= SLOWDOWN_MIN_SAMPLES else 1.0
-        return SLOWDOWN_HEADROOM * worst
+        return SLOWDOWN_HEADROOM * max(1.0, worst)
 
-    def planned_service_s(self, request: Request) -> float | None:
-        """The plain estimate of the seconds ``request`` needs from admission to its last token:
-        :meth:`steps_needed` x the measured step time (None before the first measured step)."""
-        if self.timer.step_s is None:
+    def load(self, running: list[Request], now: float, queued: int | None = None) -> BatchLoad | None:
+        """The running batch for the estimates at ``now``, with ``queued`` waiting requests besides the one
+        estimated to take the seats freed, and more at the measured arrival rate (None: as many as seats free up);
+        None while nothing runs (an idle engine runs a request at once, at its best speed) or before the first
+        measured step."""
+        if not running or not self.cost.ready:
             return None
-        steps = self.steps_needed(request.num_tokens - request.num_computed_tokens,
-                                  request.max_tokens - request.num_output_tokens)
-        return steps * self.timer.step_s
+        return BatchLoad(running, self.max_num_seqs, self.prefill_chunk, self.cost, queued,
+                         self.arrivals.per_s(now))
 
-    def estimated_service_s(self, request: Request) -> float | None:
-        """:meth:`planned_service_s` x :attr:`slowdown` (None before the first measured step)."""
-        planned = self.planned_service_s(request)
+    def planned_service_s(self, request: Request, load: BatchLoad | None) -> float | None:
+        """The estimate, before the slowdown, of the seconds a waiting ``request`` needs from admission to its last
+        token at ``load`` (:meth:`.service_time.BatchLoad.service_s`; None without a load)."""
+        if load is None:
+            return None
+        return load.service_s(remaining_steps(request, self.prefill_chunk),
+                              request.num_tokens - request.num_computed_tokens, joins=True)
+
+    def estimated_service_s(self, request: Request, running: list[Request]) -> float | None:
+        """:meth:`planned_service_s` x :attr:`slowdown` beside ``running`` (None while nothing runs or before the
+        first measured step)."""
+        planned = self.planned_service_s(request, self.load(running, time.monotonic()))
         return None if planned is None else planned * self.slowdown
 
-    def refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
+    def refusal(self, request: Request, now: float, running: list[Request],
+                load: BatchLoad | None = None) -> DeadlineError | None:
         """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run
-        (counted by reason and by ``request.caller``)."""
-        error = self._refusal(request, now, running)
+        (counted by reason and by ``request.caller``). ``load``: :meth:`load` of ``running`` with the requests
+        waiting besides this one (the caller knows them; default: as many as seats free up)."""
+        error = self._refusal(request, now, running, load)
         if error is not None:
             by = self.stats.refused_by_caller
             by[request.caller] = by.get(request.caller, 0) + 1
         return error
 
-    def _refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
+    def _refusal(self, request: Request, now: float, running: list[Request],
+                 load: BatchLoad | None) -> DeadlineError | None:
         if request.num_computed_tokens > 0 or request.num_preemptions > 0:
             return None                   # admitted once: it runs on
         if request.deadline is None or not self.enabled:
@@ -145,19 +181,43 @@ class DeadlinePolicy:
                                  "before the request could be scheduled", retry_after_s=self.retry_after_s(running))
         # Only with an explicit max_tokens (the default, the room left in the context, is a cap that EOS usually
         # ends long before), and while requests run (an idle engine runs it at once, at its best speed).
-        explicit = request.params.max_tokens is not None
-        planned = self.planned_service_s(request) if running and explicit else None
-        need = None
-        if planned is not None:   # what on_finished compares the service time with: the last check's
-            request.planned_service_s = planned
-            need = planned * self.slowdown
-        if need is not None and need > left:
+        if request.params.max_tokens is None or not running:
+            return None
+        planned = self.planned_service_s(request, load or self.load(running, now))
+        if planned is None:
+            return None
+        request.planned_service_s, request.step_log = planned, StepLog(self.cost)   # the last check's stand
+        need = planned * self.slowdown
+        if need > left:
             self.stats.refused_infeasible += 1
             return DeadlineError(
                 f"cannot finish within the deadline: {request.num_prompt_tokens} prompt tokens and max_tokens "
-                f"{request.max_tokens} need about {need:.2f} s at the measured {self.timer.step_s * 1e3:.1f} ms per "
-                f"step, {left:.2f} s are left", retry_after_s=self.retry_after_s(running))
+                f"{request.max_tokens} need about {need:.2f} s beside the {len(running)} running requests "
+                f"(mean step {self.timer.step_s * 1e3:.1f} ms), {left:.2f} s are left",
+                retry_after_s=self.retry_after_s(running))
         return None
+
+    def holds(self, newcomer: Request, running: list[Request], now: float | None = None) -> bool:
+        """Whether admitting the waiting ``newcomer`` at ``now`` (None: the clock now) must wait: some running
+        request with a deadline (and an explicit max_tokens) would meet it as the batch stands (its remaining steps
+        at the running rows, the running prompts' prefill; no slowdown) but not with the newcomer's row and prompt
+        added (times :attr:`slowdown`). The requests its estimate reserved pass (it has the slack for them, unless
+        it runs slower than estimated by more than the slowdown); one late whatever happens holds nothing."""
+        if not self.enabled or not running or not self.cost.ready:
+            return False
+        watched = [r for r in running if r.deadline is not None and r.params.max_tokens is not None]
+        if not watched:
+            return False
+        now = time.monotonic() if now is None else now
+        cost, chunk, slowdown = self.cost, self.prefill_chunk, self.slowdown
+        prefill_s = sum(further_tokens(r.num_tokens - r.num_computed_tokens, chunk) for r in running) * cost.token_s
+        joined_s = further_tokens(newcomer.num_tokens - newcomer.num_computed_tokens, chunk) * cost.token_s
+        step_s, joined_step_s = cost.decode_s(len(running)), cost.decode_s(len(running) + 1)
+        for r in watched:
+            left, steps = r.deadline - now, remaining_steps(r, chunk)
+            if steps * step_s + prefill_s <= left < (steps * joined_step_s + prefill_s + joined_s) * slowdown:
+                return True
+        return False
 
     def retry_after_s(self, running: list[Request]) -> float:
         """When a retry may find a seat: the estimated seconds until the running request closest to its end
@@ -169,21 +229,14 @@ class DeadlinePolicy:
         return max(1.0, left * step)
 
     def on_finished(self, request: Request, now: float) -> None:
-        """Count a request that ended (any way) after its deadline; one that ran unpreempted from admission
-        calibrates :attr:`slowdown`: its seconds from first step to ``now`` over the plain estimate of its last
-        check before admission (``request.planned_service_s``, scaled to the tokens it made), else over its steps x
-        the step time now."""
+        """Count a request that ended (any way) after its deadline; one admitted after a check that ran unpreempted
+        calibrates :attr:`slowdown`: its seconds from first step to ``now`` over its steps priced by the model of
+        that check (``request.step_log``)."""
         if request.deadline is not None and now > request.deadline:
             self.stats.missed += 1
-        start, step = request.first_scheduled_time, self.timer.step_s
-        if start is not None and step and request.num_preemptions == 0 and request.num_output_tokens > 0:
-            # against the estimate made when it was admitted (the step time then), scaled to the tokens it made;
-            # without one (admitted without a check), the plain estimate at the step time now
-            steps = self.steps_needed(request.num_prompt_tokens, request.num_output_tokens)
-            planned = request.planned_service_s
-            full = self.steps_needed(request.num_prompt_tokens, request.max_tokens)
-            expected = planned * steps / full if planned and full else steps * step
-            self._ratios.append((now - start) / expected)
+        start, log = request.first_scheduled_time, request.step_log
+        if start is not None and log is not None and log.modelled_s > 0 and request.num_preemptions == 0:
+            self._ratios.append((now - start) / log.modelled_s)
 
     @staticmethod
     def queue_key(request: Request) -> float:
