@@ -15,7 +15,9 @@ Two `pagedserve serve` processes (embedded models, default flags) are up at the 
 Each run is ``--requests`` gRPC Generate streams (greedy, exactly ``--max-new-tokens`` tokens, a new cache salt per
 run, so no run hits an earlier run's prefix cache) at the given concurrency. Printed per concurrency: each side's
 TPOT p50 and TTFT p50 (median over its rounds), the ratio on / off (the issue's bar: TPOT p50 within 3%), and the
-spans each collector received (on: one or more per call; off: 0).
+spans each collector received (on: one or more per call; off: 0). ``--aa`` starts the second server with tracing off
+too (an A/A run): its on/off ratios are what two server processes differ by on this machine, the noise floor of
+the comparison.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=0, help="streams per run (default: 8 x concurrency, >= 8)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--aa", action="store_true",
+                   help="A/A: the second server with tracing off too, to size what two processes differ by")
     return p.parse_args(argv)
 
 
@@ -57,11 +61,12 @@ def main(argv=None) -> int:
     off = common.ServerProcess(args.threads)
     del os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
     os.environ.update(OTEL_TRACES_SAMPLER="always_on", OTEL_BSP_SCHEDULE_DELAY="200")
-    on = common.ServerProcess(args.threads, ["--otlp-traces-endpoint", traced_url])
+    on = common.ServerProcess(args.threads, [] if args.aa else ["--otlp-traces-endpoint", traced_url])
     for key in ("OTEL_TRACES_SAMPLER", "OTEL_BSP_SCHEDULE_DELAY"):
         del os.environ[key]
     print(f"threads {args.threads}, load before {settings['loadavg_1m_before']}; {args.rounds} rounds per side, "
-          f"{args.max_new_tokens} output tokens per stream")
+          f"{args.max_new_tokens} output tokens per stream" + ("; A/A: 'on' is a second server with tracing off"
+                                                               if args.aa else ""))
     rows = []
     with off, on:
         warm = [common.warmup_request(tokenizer)]
