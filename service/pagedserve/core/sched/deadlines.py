@@ -101,7 +101,7 @@ class DeadlinePolicy:
         self.cost = StepCost()
         self.arrivals = ArrivalRate()
         self.stats = DeadlineStats()
-        self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)   # wall time / their steps as modelled
+        self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)   # service time / estimate, admitted requests
 
     def steps_needed(self, prompt_tokens: int, output_tokens: int) -> int:
         """:func:`.service_time.steps_needed` at this policy's prefill chunk."""
@@ -154,8 +154,8 @@ class DeadlinePolicy:
     def refusal(self, request: Request, now: float, running: list[Request],
                 load: BatchLoad | None = None) -> DeadlineError | None:
         """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run
-        (counted by reason and by ``request.caller``). ``load``: :meth:`load` of ``running`` with the requests
-        waiting besides this one (the caller knows them; default: as many as seats free up)."""
+        (counted by reason and by ``request.caller``). ``load``: ``self.load(running)``, when the caller checks
+        many requests against one batch."""
         error = self._refusal(request, now, running, load)
         if error is not None:
             by = self.stats.refused_by_caller
