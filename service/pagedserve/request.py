@@ -58,10 +58,7 @@ class Request:
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # monotonic seconds; for queue time metrics
-    planned_service_s: float | None = None  # the deadline policy's last estimate before admission, seconds (before
-                                            # its slowdown)
-    step_log: Any = None                    # the deadline policy's record of the steps it ran in, from that check
-                                            # (core.sched.service_time.StepLog); None: admitted unchecked
+    planned_service_s: float | None = None  # the deadline policy's last plain estimate before admission (seconds)
     pooling: bool = False                   # an embedding request: the prompt's last hidden state is the output
     grammar: Any = None                     # structured output: its GrammarMatcher, in step with the output (kept
                                             # across preemption, which keeps the tokens); set once compiled

@@ -128,9 +128,7 @@ class LLMEngine:
         ids, max_tokens = self.inputs.generation(prompt_token_ids, params)
         if deadline is not None and self.deadlines.enabled:
             probe = Request(request_id, ids, params, max_tokens, self.eos_token_ids, deadline=deadline)
-            now, running = time.monotonic(), self.scheduler.running
-            error = self.deadlines.refusal(probe, now, running,
-                                           self.deadlines.load(running, now, self.scheduler.num_waiting))
+            error = self.deadlines.refusal(probe, time.monotonic(), self.scheduler.running)
             if error is not None:
                 raise error
         self._check_room(params.n)
@@ -246,7 +244,7 @@ class LLMEngine:
         start = time.monotonic()
         result = self.executor.execute(sched)
         self.deadlines.observe_step(time.monotonic() - start, len(sched.num_scheduled_tokens),
-                                    sched.num_batched_tokens, self.scheduler.running)
+                                    sched.num_batched_tokens)
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
         deltas = self.outputs.process(outputs)

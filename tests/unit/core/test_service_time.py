@@ -1,10 +1,8 @@
 """The service time estimate the deadline policy admits by (core/sched/service_time.py), on plain values and a fake
 clock: the step time model (decode rows, further tokens) fitted from observed steps, the followers a request's
-steps will carry (seats freed, bounded by the requests queued and arriving), the hold that keeps a newcomer from
-making a running request late, and the policy on a simulated batch under 3x overload: admitted requests all meet
-their deadline (with the queue that long the estimate bounds their service when the step time is what the model
-says), and while the machine runs slower than measured the hold keeps the admitted ones in time where admitting on
-would not."""
+steps will carry, and the policy on a simulated batch under 3x overload: admitted requests all meet their deadline
+(the estimate is an upper bound of their service when the step time is what the model says), and while the machine
+runs slower than measured the hold keeps the admitted ones in time where admitting on would not."""
 from __future__ import annotations
 
 import random
@@ -13,7 +11,7 @@ from collections import Counter
 import pytest
 
 from pagedserve.core.sched.deadlines import DeadlinePolicy
-from pagedserve.core.sched.service_time import ArrivalRate, BatchLoad, StepCost, steps_needed
+from pagedserve.core.sched.service_time import BatchLoad, StepCost, steps_needed
 from pagedserve.errors import DeadlineError
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -68,33 +66,17 @@ def test_the_step_cost_without_spread_or_without_prompts():
 def test_followers_take_the_seats_freed_during_the_steps():
     running = [decoding("a", 4), decoding("b", 20), decoding("c", 30)]
     cost = StepCost()
-    cost.observe(0.010, 4, 4)                 # 2.5 ms a row (a line through the origin), and a prompt token too
+    cost.observe(0.010, 4, 4)
     load = BatchLoad(running, max_num_seqs=5, prefill_chunk=64, cost=cost)
     assert load.remaining == [4, 20, 30] and load.empty_seats == 2 and load.prefill_left == 0
     assert load.follower_prompt == 63 and load.follower_steps == steps_needed(64, 32, 64) == 32
     # 24 steps: one empty seat filled now (the other is the request's own), a's seat at 4, b's at 20; c outlasts
-    assert load.seats_freed(24, empty_seats=1) == 3
+    assert load.followers(24, empty_seats=1) == 3
     # 40 steps: the followers of the empty seat and of a end within them (a second one each), c's seat frees at 30
-    assert load.seats_freed(40, empty_seats=1) == 6
-    # as many waiting as seats free up: 24 steps x 12.5 ms (every seat busy) + (63 own + 3 x 63) x 2.5 ms
+    assert load.followers(40, empty_seats=1) == 6
+    # 24 steps x 12.5 ms (5 seats busy at 2.5 ms a row: the line through the origin) + (63 own + 3 x 63) x 2.5 ms
+    # (no prompt measured: a further token costs a row)
     assert load.service_s(24, 64, joins=True) == pytest.approx(24 * 0.0125 + 4 * 63 * 0.0025)
-    # nobody waiting, nobody arriving: its 4 rows, its own prompt
-    idle = BatchLoad(running, 5, 64, cost, queued=0)
-    assert idle.service_s(24, 64, joins=True) == pytest.approx(24 * 0.010 + 63 * 0.0025)
-    # one waiting, one arriving a second: followers 1 + the seconds of the estimate, which the followers lengthen
-    fixed = (24 * 0.0125 + 2 * 63 * 0.0025) / (1 - 63 * 0.0025)    # e = 0.3 + 63 x 2.5 ms x (1 + 1 + e)
-    assert BatchLoad(running, 5, 64, cost, queued=1, arrivals_per_s=1.0).service_s(24, 64, True) == \
-        pytest.approx(fixed, rel=1e-3)
-    assert BatchLoad(running, 5, 64, cost, queued=1, arrivals_per_s=100.0).service_s(24, 64, True) == \
-        pytest.approx(load.service_s(24, 64, True))                 # the freed seats bound them
-
-
-def test_the_arrival_rate_falls_while_none_come():
-    rate = ArrivalRate(window=4)
-    assert rate.per_s(10.0) == 0.0
-    for at in (0.0, 0.5, 1.0, 1.5, 2.0):
-        rate.observe(at)
-    assert rate.per_s(2.0) == pytest.approx(4 / 1.5) and rate.per_s(8.5) == pytest.approx(4 / 8.0)
 
 
 def test_the_estimate_counts_the_prompts_that_will_join_its_steps():
@@ -110,11 +92,8 @@ def test_the_estimate_counts_the_prompts_that_will_join_its_steps():
     planned = 32 * step_s(8, 8) + 8 * 63 * 0.0018          # its prompt and 7 followers'
     assert p.estimated_service_s(r, running) == pytest.approx(planned * 1.1)
     assert 32 * p.timer.step_s * 1.1 < 1.2 < planned       # fits the mean step, not the batch it runs in
-    assert isinstance(p.refusal(r, 0.0, running, p.load(running, 0.0, queued=10)), DeadlineError)
+    assert isinstance(p.refusal(r, 0.0, running), DeadlineError)
     assert r.planned_service_s == pytest.approx(planned)
-    alone = 32 * step_s(8, 8) + 63 * 0.0018                 # nobody waiting, nobody arriving: its own prompt only
-    assert p.refusal(r, 0.0, running, p.load(running, 0.0, queued=0)) is None
-    assert r.planned_service_s == pytest.approx(alone)
 
 
 def test_a_newcomer_waits_while_a_running_request_is_behind():
@@ -122,11 +101,11 @@ def test_a_newcomer_waits_while_a_running_request_is_behind():
     for rows in (8, 6):
         p.observe_step(step_s(rows, rows), rows, rows)
     p.observe_step(step_s(7, 70), 7, 70)
-    # 10 steps left: 40 ms alone; with a newcomer's row and its 63 prompt tokens at 1.8 ms, 182 ms with the headroom
-    on_time = decoding("fine", 10, deadline=1.5)
+    # 10 steps left, 7 seats free: 10 x 12 ms and 7 x 63 prompt tokens at 1.8 ms reserved, 1.0 s with the headroom
+    on_time = decoding("fine", 10, deadline=2.0)
     assert not p.holds(request("new"), [on_time], now=0.0)
-    assert p.holds(request("long", prompt=1000), [on_time], now=0.0)   # 984 prompt tokens: 1.8 s
-    behind = decoding("behind", 10, deadline=0.15)         # 52 ms alone beside "fine", 194 ms with the newcomer
+    assert p.holds(request("long", prompt=1000), [on_time], now=0.0)   # 921 tokens more than the one reserved
+    behind = decoding("behind", 10, deadline=0.5)          # 52 ms alone, 0.88 s with 6 followers and the headroom
     assert p.holds(request("new"), [on_time, behind], now=0.0)
     lost = decoding("lost", 10, deadline=0.04)             # late even if nothing more is admitted
     assert not p.holds(request("new"), [on_time, lost], now=0.0)
@@ -147,16 +126,15 @@ def simulate(policy: DeadlinePolicy, arrivals: list[float], slack_s: float, slow
         while i < len(arrivals) and arrivals[i] <= now:
             r = request(f"r{i}", deadline=arrivals[i] + slack_s, arrival=arrivals[i])
             i += 1
-            if policy.refusal(r, now, running, policy.load(running, now, len(waiting))) is None:
+            if policy.refusal(r, now, running) is None:
                 waiting.append(r)
-                policy.arrivals.observe(r.arrival_time)
             else:
                 out["refused"] += 1
         for r in [r for r in running if r.deadline <= now]:
             running.remove(r)
             policy.on_finished(r, now)
             out["cancelled"] += 1
-        load = policy.load(running, now, len(waiting) - 1)
+        load = policy.load(running)
         for r in [r for r in waiting if r.deadline <= now or policy.refusal(r, now, running, load) is not None]:
             waiting.remove(r)
             out["refused" if r.deadline > now else "cancelled_waiting"] += 1
@@ -168,7 +146,7 @@ def simulate(policy: DeadlinePolicy, arrivals: list[float], slack_s: float, slow
         tokens = sum(r.num_tokens - r.num_computed_tokens for r in running)   # a prompt is one chunk
         seconds = step_s(len(running), tokens) * slower(now)
         now += seconds
-        policy.observe_step(seconds, len(running), tokens, running)
+        policy.observe_step(seconds, len(running), tokens)
         for r in list(running):
             r.num_computed_tokens = r.num_tokens
             r.append_output_token(7)

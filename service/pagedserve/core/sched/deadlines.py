@@ -10,10 +10,10 @@ step, and when a request arrives, every waiting request that was never admitted 
 - it cannot finish by it even if it started now (checked while requests run, so the step time is current, and
   only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + service *
   slowdown > deadline``, where the service time is estimated at the batch it would run in
-  (:meth:`.service_time.BatchLoad.service_s`: the prompts of the requests queued or arriving that will take the
-  seats freed during its steps reserved, at the step time model fitted on the executor's recent steps) and the
-  slowdown is how much longer recent admitted requests took than that model said of their steps, with headroom
-  (:attr:`DeadlinePolicy.slowdown`), or
+  (:meth:`.service_time.BatchLoad.service_s`: every seat busy, the prompts of the requests that will take the seats
+  freed during its steps reserved, at the step time model fitted on the executor's recent steps) and the slowdown
+  is how much longer recent admitted requests took than estimated, with headroom (:attr:`DeadlinePolicy.slowdown`),
+  or
 - it has no deadline and has waited ``max_queue_time_s`` (``--max-queue-time-s``).
 
 Such a request is refused with :class:`~pagedserve.errors.DeadlineError` (gRPC DEADLINE_EXCEEDED with a
@@ -21,11 +21,10 @@ Such a request is refused with :class:`~pagedserve.errors.DeadlineError` (gRPC D
 request finishes and frees its seat. It has spent no prefill: only requests with no computed token are refused
 (a preempted request, admitted once, runs on). Until a step has been measured only the first and last checks run.
 
-The estimate can still fall short after admission (more requests arrive than expected, a prompt larger than the
-reserved one joins, the machine slows down), so the scheduler re-checks when the batch would grow: before it admits
-a waiting request it asks whether that would make a running request miss a deadline it can still meet
-(:meth:`DeadlinePolicy.holds`); if so the waiting request waits (and is refused later, before any prefill, if it
-can no longer finish): prompts joining a batch are what slow its requests most.
+The estimate can still fall short after admission (the machine slows down, a prompt larger than the reserved one
+joins), so the scheduler also asks, before it admits a waiting request, whether that would make a running request
+miss a deadline it can still meet (:meth:`DeadlinePolicy.holds`); if so the waiting request waits (and is refused
+later, before any prefill, if it can no longer finish): prompts joining a batch are what slow its requests most.
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 
 from ...errors import DeadlineError
 from ...request import Request
-from .service_time import ArrivalRate, BatchLoad, StepCost, StepLog, further_tokens, remaining_steps, steps_needed
+from .service_time import BatchLoad, StepCost, further_tokens, remaining_steps, steps_needed
 
 STEP_WINDOW = 64   # steps the measured step time averages over
 SLOWDOWN_WINDOW = 32   # admitted requests whose service time calibrates the estimate
@@ -99,7 +98,6 @@ class DeadlinePolicy:
         self.max_num_seqs = max(1, max_num_seqs)
         self.timer = StepTimer()
         self.cost = StepCost()
-        self.arrivals = ArrivalRate()
         self.stats = DeadlineStats()
         self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)   # service time / estimate, admitted requests
 
@@ -107,35 +105,27 @@ class DeadlinePolicy:
         """:func:`.service_time.steps_needed` at this policy's prefill chunk."""
         return steps_needed(prompt_tokens, output_tokens, self.prefill_chunk)
 
-    def observe_step(self, seconds: float, rows: int, tokens: int, running: list[Request] = ()) -> None:
-        """The executor ran a step of ``rows`` requests and ``tokens`` tokens in ``seconds``; ``running``: the
-        requests in it (their :class:`.service_time.StepLog`)."""
-        for r in running:
-            if r.step_log is not None:
-                r.step_log.add(rows, tokens)
+    def observe_step(self, seconds: float, rows: int, tokens: int) -> None:
+        """The executor ran a step of ``rows`` requests and ``tokens`` tokens in ``seconds``."""
         self.timer.observe(seconds)
         self.cost.observe(seconds, rows, tokens)
 
     @property
     def slowdown(self) -> float:
-        """How much longer admitted requests took than the step time model said at their admission of the steps they
-        ran in (:meth:`on_finished`): the largest ratio over the last :data:`SLOWDOWN_WINDOW` admitted requests
-        that ended, at least 1 (1 until :data:`SLOWDOWN_MIN_SAMPLES` did), times :data:`SLOWDOWN_HEADROOM`. It
-        covers what the model misses (a step's cost is not linear in its prompts; the time between steps) and a
-        machine that runs slower than the steps the model was fitted on. How many prompts joined their steps is
-        not in it: more than estimated is what :meth:`holds` keeps from hurting them."""
+        """How much longer admitted requests took than estimated (:meth:`on_finished`): the largest ratio over the
+        last :data:`SLOWDOWN_WINDOW` admitted requests that ended, at least 1 (1 until :data:`SLOWDOWN_MIN_SAMPLES`
+        did; a ratio below 1 is load reserved that did not come, not an error of the model to take back), times
+        :data:`SLOWDOWN_HEADROOM`. It covers what the step time model misses (a step's cost is not linear in its
+        prompts; the driver's time between steps) and a machine that runs slower than the steps it was fitted on."""
         worst = max(self._ratios) if len(self._ratios) >= SLOWDOWN_MIN_SAMPLES else 1.0
         return SLOWDOWN_HEADROOM * max(1.0, worst)
 
-    def load(self, running: list[Request], now: float, queued: int | None = None) -> BatchLoad | None:
-        """The running batch for the estimates at ``now``, with ``queued`` waiting requests besides the one
-        estimated to take the seats freed, and more at the measured arrival rate (None: as many as seats free up);
-        None while nothing runs (an idle engine runs a request at once, at its best speed) or before the first
-        measured step."""
+    def load(self, running: list[Request]) -> BatchLoad | None:
+        """The running batch for the estimates; None while nothing runs (an idle engine runs a request at once, at
+        its best speed) or before the first measured step."""
         if not running or not self.cost.ready:
             return None
-        return BatchLoad(running, self.max_num_seqs, self.prefill_chunk, self.cost, queued,
-                         self.arrivals.per_s(now))
+        return BatchLoad(running, self.max_num_seqs, self.prefill_chunk, self.cost)
 
     def planned_service_s(self, request: Request, load: BatchLoad | None) -> float | None:
         """The estimate, before the slowdown, of the seconds a waiting ``request`` needs from admission to its last
@@ -148,7 +138,7 @@ class DeadlinePolicy:
     def estimated_service_s(self, request: Request, running: list[Request]) -> float | None:
         """:meth:`planned_service_s` x :attr:`slowdown` beside ``running`` (None while nothing runs or before the
         first measured step)."""
-        planned = self.planned_service_s(request, self.load(running, time.monotonic()))
+        planned = self.planned_service_s(request, self.load(running))
         return None if planned is None else planned * self.slowdown
 
     def refusal(self, request: Request, now: float, running: list[Request],
@@ -183,10 +173,10 @@ class DeadlinePolicy:
         # ends long before), and while requests run (an idle engine runs it at once, at its best speed).
         if request.params.max_tokens is None or not running:
             return None
-        planned = self.planned_service_s(request, load or self.load(running, now))
+        planned = self.planned_service_s(request, load or self.load(running))
         if planned is None:
             return None
-        request.planned_service_s, request.step_log = planned, StepLog(self.cost)   # the last check's stand
+        request.planned_service_s = planned   # what on_finished compares the service time with: the last check's
         need = planned * self.slowdown
         if need > left:
             self.stats.refused_infeasible += 1
@@ -199,23 +189,26 @@ class DeadlinePolicy:
 
     def holds(self, newcomer: Request, running: list[Request], now: float | None = None) -> bool:
         """Whether admitting the waiting ``newcomer`` at ``now`` (None: the clock now) must wait: some running
-        request with a deadline (and an explicit max_tokens) would meet it as the batch stands (its remaining steps
-        at the running rows, the running prompts' prefill; no slowdown) but not with the newcomer's row and prompt
-        added (times :attr:`slowdown`). The requests its estimate reserved pass (it has the slack for them, unless
-        it runs slower than estimated by more than the slowdown); one late whatever happens holds nothing."""
+        request with a deadline (and an explicit max_tokens) that it would still meet if nothing more were admitted
+        (its remaining steps at the running batch, no slowdown) would miss it at the load reserved for it (the
+        newcomer's prompt in place of the one reserved for the seat it takes), times :attr:`slowdown`. A request
+        admitted at the margin of its estimate holds admissions only once it runs slower than estimated by more
+        than the slowdown; one late whatever happens holds nothing."""
         if not self.enabled or not running or not self.cost.ready:
             return False
         watched = [r for r in running if r.deadline is not None and r.params.max_tokens is not None]
         if not watched:
             return False
         now = time.monotonic() if now is None else now
-        cost, chunk, slowdown = self.cost, self.prefill_chunk, self.slowdown
-        prefill_s = sum(further_tokens(r.num_tokens - r.num_computed_tokens, chunk) for r in running) * cost.token_s
-        joined_s = further_tokens(newcomer.num_tokens - newcomer.num_computed_tokens, chunk) * cost.token_s
-        step_s, joined_step_s = cost.decode_s(len(running)), cost.decode_s(len(running) + 1)
+        load = BatchLoad(running, self.max_num_seqs, self.prefill_chunk, self.cost)
+        token_s, alone_step_s, slowdown = self.cost.token_s, self.cost.decode_s(len(running)), self.slowdown
+        own = further_tokens(newcomer.num_tokens - newcomer.num_computed_tokens, self.prefill_chunk)
+        extra_s = max(0.0, own - load.follower_prompt) * token_s
         for r in watched:
-            left, steps = r.deadline - now, remaining_steps(r, chunk)
-            if steps * step_s + prefill_s <= left < (steps * joined_step_s + prefill_s + joined_s) * slowdown:
+            left, steps = r.deadline - now, remaining_steps(r, self.prefill_chunk)
+            if steps * alone_step_s + load.prefill_left * token_s > left:
+                continue                                         # late whatever waits
+            if (load.service_s(steps, 0, joins=False) + extra_s) * slowdown > left:
                 return True
         return False
 
@@ -229,14 +222,21 @@ class DeadlinePolicy:
         return max(1.0, left * step)
 
     def on_finished(self, request: Request, now: float) -> None:
-        """Count a request that ended (any way) after its deadline; one admitted after a check that ran unpreempted
-        calibrates :attr:`slowdown`: its seconds from first step to ``now`` over its steps priced by the model of
-        that check (``request.step_log``)."""
+        """Count a request that ended (any way) after its deadline; one that ran unpreempted from admission
+        calibrates :attr:`slowdown`: its seconds from first step to ``now`` over the plain estimate of its last
+        check before admission (``request.planned_service_s``, scaled to the tokens it made), else over its steps x
+        the step time now."""
         if request.deadline is not None and now > request.deadline:
             self.stats.missed += 1
-        start, log = request.first_scheduled_time, request.step_log
-        if start is not None and log is not None and log.modelled_s > 0 and request.num_preemptions == 0:
-            self._ratios.append((now - start) / log.modelled_s)
+        start, step = request.first_scheduled_time, self.timer.step_s
+        if start is not None and step and request.num_preemptions == 0 and request.num_output_tokens > 0:
+            # against the estimate made when it was admitted (the step time then), scaled to the tokens it made;
+            # without one (admitted without a check), the plain estimate at the step time now
+            steps = self.steps_needed(request.num_prompt_tokens, request.num_output_tokens)
+            planned = request.planned_service_s
+            full = self.steps_needed(request.num_prompt_tokens, request.max_tokens)
+            expected = planned * steps / full if planned and full else steps * step
+            self._ratios.append((now - start) / expected)
 
     @staticmethod
     def queue_key(request: Request) -> float:

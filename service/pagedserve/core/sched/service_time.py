@@ -9,14 +9,11 @@ tens of decode steps (bench/deadlines.py, 2 CPU threads: 12 ms for a step of 8 d
 64-token prompt in it), so a request's time depends on how many prompts will join its steps.
 
 :class:`BatchLoad` is the running batch as one step sees it; :meth:`BatchLoad.service_s` is the estimate for a
-request of ``steps`` steps: the prefill of its own prompt and of the running requests' unfinished prompts, and the
-prompts of its followers, the requests that take the seats freed during its steps (a seat's occupant ends after its
-remaining steps, from max_tokens; a follower is like the running ones on average: mean prompt, mean steps), as many
-as there are: those waiting now and those arriving meanwhile at the measured rate (:class:`ArrivalRate`); each step
-priced at the rows the running requests, it and its followers make (at most every seat). Under overload the queue
-fills every freed seat and the estimate is that of a full batch; its followers' prompts are reserved when the
-request is admitted, so admitting them later does not break its estimate (more than estimated: the deadline
-policy's hold). :class:`StepLog` prices the steps a request did run in, for the calibration.
+request of ``steps`` steps: every seat busy during them (``decode_s(max_num_seqs)`` a step), plus the prefill of its
+own prompt, of the running requests' unfinished prompts and of the requests that take the seats freed during its
+steps (a seat's occupant ends after its remaining steps, from max_tokens; each follower is like the running ones on
+average: mean prompt, mean steps). That is the load of an engine that keeps its seats full: the followers' prompts
+are reserved when a request is admitted, so admitting them later does not break its estimate.
 """
 from __future__ import annotations
 
@@ -28,7 +25,6 @@ from ...request import Request
 
 DECODE_WINDOW = 64    # decode steps (one token per row) decode_s is fitted on
 PREFILL_WINDOW = 32   # steps with further tokens (prefill chunks, drafts) token_s is fitted on
-ARRIVAL_WINDOW = 64   # arrivals the arrival rate is measured over
 
 
 def steps_needed(prompt_tokens: int, output_tokens: int, prefill_chunk: int) -> int:
@@ -123,38 +119,6 @@ class StepCost:
         return max(0.0, seconds - n * a - b * rows) / further
 
 
-class StepLog:
-    """The steps a request ran in, priced by the step time model as it stood when it was admitted: what its service
-    would have taken had every step cost what the model said then (the deadline policy's calibration compares its
-    wall time with that: the model's error and the machine's drift, not how many prompts joined its steps)."""
-
-    __slots__ = ("_a", "_b", "_token_s", "modelled_s")
-
-    def __init__(self, cost: StepCost) -> None:
-        (self._a, self._b), self._token_s = cost._line(), cost.token_s
-        self.modelled_s = 0.0
-
-    def add(self, rows: int, tokens: int) -> None:
-        """It ran in a step of ``rows`` requests and ``tokens`` tokens."""
-        self.modelled_s += self._a + self._b * rows + self._token_s * max(0, tokens - rows)
-
-
-class ArrivalRate:
-    """Requests arriving per second: the last :data:`ARRIVAL_WINDOW` arrivals over the seconds from the first of
-    them to now (so it falls while none come)."""
-
-    def __init__(self, window: int = ARRIVAL_WINDOW) -> None:
-        self._times: deque[float] = deque(maxlen=window)
-
-    def observe(self, at: float) -> None:
-        """A request arrived at ``at`` (monotonic seconds)."""
-        self._times.append(at)
-
-    def per_s(self, now: float) -> float:
-        span = now - self._times[0] if self._times else 0.0
-        return len(self._times) / span if span > 0 else 0.0
-
-
 class BatchLoad:
     """The running batch as one step sees it, for :meth:`service_s` (``cost`` must be ready).
 
@@ -163,26 +127,21 @@ class BatchLoad:
         max_num_seqs: the seats.
         prefill_chunk: tokens one prefill step takes at most.
         cost: the step time model.
-        queued: the waiting requests besides the one estimated, that may take the seats freed (None: as many as
-            seats free up).
-        arrivals_per_s: the rate at which more come (:class:`ArrivalRate`).
     """
 
-    def __init__(self, running: list[Request], max_num_seqs: int, prefill_chunk: int, cost: StepCost,
-                 queued: int | None = None, arrivals_per_s: float = 0.0) -> None:
+    def __init__(self, running: list[Request], max_num_seqs: int, prefill_chunk: int, cost: StepCost) -> None:
         self.cost, self.seats, self.prefill_chunk = cost, max_num_seqs, prefill_chunk
-        self.queued, self.arrivals_per_s = queued, arrivals_per_s
         self.remaining = sorted(remaining_steps(r, prefill_chunk) for r in running)   # each occupant's steps left
-        self.empty_seats = max(0, max_num_seqs - len(running))
         # tokens beyond one per step of the running requests' unfinished prompts, and of a follower's on average
+        self.empty_seats = max(0, max_num_seqs - len(running))
         self.prefill_left = sum(further_tokens(r.num_tokens - r.num_computed_tokens, prefill_chunk) for r in running)
         self.follower_prompt = fmean(further_tokens(r.num_prompt_tokens, prefill_chunk) for r in running)
         self.follower_steps = max(1.0, fmean(steps_needed(r.num_prompt_tokens, r.max_tokens, prefill_chunk)
                                              for r in running))
 
-    def seats_freed(self, steps: int, empty_seats: int) -> int:
-        """Seats taken anew during the next ``steps`` steps if requests are there to take them: each empty seat's
-        now, each occupied seat's when its occupant ends, then every :attr:`follower_steps` steps."""
+    def followers(self, steps: int, empty_seats: int) -> int:
+        """Requests that take a seat during the next ``steps`` steps: each empty seat's now, each occupied seat's
+        when its occupant ends, then every :attr:`follower_steps` steps."""
         count = 0
         for left in [0] * empty_seats + self.remaining:
             if left >= steps:
@@ -193,21 +152,8 @@ class BatchLoad:
     def service_s(self, steps: int, prompt_tokens: int, joins: bool) -> float:
         """Seconds a request needs for its next ``steps`` steps with ``prompt_tokens`` of its own prompt still to
         prefill; ``joins``: it is not running yet and takes one of the empty seats (else it is running, and its
-        unfinished prompt is counted among the running ones'). Its followers: the seats freed during its steps, but
-        no more than the requests queued and those expected to arrive meanwhile (the rate x the estimate, to a
-        fixed point); each step's rows: the running requests, it, and its followers, at most every seat."""
-        seats = self.seats_freed(steps, max(0, self.empty_seats - joins))
-        own_tokens = further_tokens(prompt_tokens, self.prefill_chunk) + self.prefill_left
-        rows = self.seats - self.empty_seats + joins
-        cost, follower_tokens = self.cost, self.follower_prompt
-
-        def estimate(followers: float) -> float:
-            return steps * cost.decode_s(min(self.seats, rows + followers)) + \
-                (own_tokens + followers * follower_tokens) * cost.token_s
-
-        if self.queued is None:
-            return estimate(seats)
-        seconds = estimate(min(seats, self.queued))
-        for _ in range(4):   # more followers as the estimate grows; the freed seats bound them
-            seconds = estimate(min(seats, self.queued + self.arrivals_per_s * seconds))
-        return seconds
+        unfinished prompt is counted among the running ones')."""
+        empty = max(0, self.empty_seats - joins)
+        tokens = further_tokens(prompt_tokens, self.prefill_chunk) + self.prefill_left + \
+            self.followers(steps, empty) * self.follower_prompt
+        return steps * self.cost.decode_s(self.seats) + tokens * self.cost.token_s

@@ -47,8 +47,6 @@ class WaitingQueue:
         return [entry[-1] for entry in sorted(self._heap, key=lambda e: e[:-1])]
 
     def push(self, request: Request) -> None:
-        if request.num_preemptions == 0:     # an arrival (not a seat preemption's return)
-            self.deadlines.arrivals.observe(request.arrival_time)
         edf = self.deadlines.queue_key(request) if self.deadlines.enabled else 0.0
         heapq.heappush(self._heap, (request.priority, edf, request.arrival_time, next(self._seq), request))
 
@@ -78,7 +76,7 @@ class WaitingQueue:
         """Waiting requests never admitted that :class:`.deadlines.DeadlinePolicy` refuses at ``now`` (deadline
         passed, cannot finish by it, or waited ``max_queue_time_s``), each with its DeadlineError; gang members
         (beam search) are not checked. Nothing is removed here."""
-        out, load = [], self.deadlines.load(running, now, len(self._heap) - 1)
+        out, load = [], self.deadlines.load(running)
         for entry in self._heap:
             req = entry[-1]
             if req.gang is None:
