@@ -62,7 +62,7 @@ class LLMEngine:
                                        group_windows=kv_group_windows)
         speculative = config.speculative()
         self.deadlines = DeadlinePolicy(config.long_prefill_token_threshold or config.max_num_batched_tokens,
-                                        config.max_queue_time_s, config.deadline_scheduling, config.max_num_seqs)
+                                        config.max_queue_time_s, config.deadline_scheduling)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, config.max_waiting_requests, max_model_len,
                                    text=OutputText(tokenizer),
@@ -243,8 +243,7 @@ class LLMEngine:
         self.structured.grammar_bitmask(sched, self.scheduler.requests)
         start = time.monotonic()
         result = self.executor.execute(sched)
-        self.deadlines.observe_step(time.monotonic() - start, len(sched.num_scheduled_tokens),
-                                    sched.num_batched_tokens)
+        self.deadlines.timer.observe(time.monotonic() - start)
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
         deltas = self.outputs.process(outputs)

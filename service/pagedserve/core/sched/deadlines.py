@@ -1,5 +1,4 @@
-"""Deadlines the scheduler keeps: refuse, before any prefill, what cannot finish in time; admit nothing that would
-make an admitted request miss its deadline.
+"""Deadlines the scheduler keeps: refuse, before any prefill, what cannot finish in time.
 
 A call's deadline (the gRPC deadline, the HTTP body's ``timeout``) reaches the engine as an absolute
 ``time.monotonic()`` second on :attr:`Request.deadline`. Within a priority the waiting queue is ordered earliest
@@ -8,44 +7,37 @@ step, and when a request arrives, every waiting request that was never admitted 
 
 - its deadline has passed, or
 - it cannot finish by it even if it started now (checked while requests run, so the step time is current, and
-  only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + service *
-  slowdown > deadline``, where the service time is estimated at the batch it would run in
-  (:meth:`.service_time.BatchLoad.service_s`: every seat busy, the prompts of the requests that will take the seats
-  freed during its steps reserved, at the step time model fitted on the executor's recent steps) and the slowdown
-  is how much longer recent admitted requests took than estimated, with headroom (:attr:`DeadlinePolicy.slowdown`),
-  or
+  only for a request that sets ``max_tokens``: the default cap is the room left in the context): ``now + (prefill
+  steps + max_tokens) * step time * slowdown > deadline``, where the step time is the mean wall time of the
+  executor's recent steps (:class:`StepTimer`; each step advances every running request by one token, and a
+  prompt needs ``ceil(prompt / long_prefill_token_threshold)`` steps) and the slowdown how much longer recent
+  admitted requests took than planned, with headroom (:attr:`DeadlinePolicy.slowdown`), or
 - it has no deadline and has waited ``max_queue_time_s`` (``--max-queue-time-s``).
 
 Such a request is refused with :class:`~pagedserve.errors.DeadlineError` (gRPC DEADLINE_EXCEEDED with a
 ``google.rpc.RetryInfo``, HTTP 504 with ``Retry-After``) carrying a retry hint: the estimated time until a running
 request finishes and frees its seat. It has spent no prefill: only requests with no computed token are refused
 (a preempted request, admitted once, runs on). Until a step has been measured only the first and last checks run.
-
-The estimate can still fall short after admission (the machine slows down, a prompt larger than the reserved one
-joins), so the scheduler also asks, before it admits a waiting request, whether that would make a running request
-miss a deadline it can still meet (:meth:`DeadlinePolicy.holds`); if so the waiting request waits (and is refused
-later, before any prefill, if it can no longer finish): prompts joining a batch are what slow its requests most.
 """
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from ...errors import DeadlineError
 from ...request import Request
-from .service_time import BatchLoad, StepCost, further_tokens, remaining_steps, steps_needed
 
 STEP_WINDOW = 64   # steps the measured step time averages over
 SLOWDOWN_WINDOW = 32   # admitted requests whose service time calibrates the estimate
 SLOWDOWN_MIN_SAMPLES = 8
-SLOWDOWN_HEADROOM = 1.1   # beyond the slowest ratio: what the window has not seen yet
+SLOWDOWN_HEADROOM = 1.1   # beyond it: a burst of admissions slows the next requests before any of them ends
 
 
 class StepTimer:
-    """The mean wall seconds of the executor's last :data:`STEP_WINDOW` steps (prefill chunks and decodes alike),
-    for the retry hint and the refusal's message (the estimate uses :class:`.service_time.StepCost`)."""
+    """The measured step time: the mean wall seconds of the executor's last :data:`STEP_WINDOW` steps (prefill
+    chunks and decodes alike: under load a request's decode steps carry other requests' prefill chunks too, so the
+    mean over a window is its expected time per token; one slow step moves it by 1/64 of its excess)."""
 
     def __init__(self, window: int = STEP_WINDOW) -> None:
         self._recent: deque[float] = deque(maxlen=window)
@@ -85,75 +77,57 @@ class DeadlinePolicy:
     Args:
         prefill_chunk: tokens one prefill step takes at most (the scheduler's ``long_prefill_token_threshold``).
         max_queue_time_s: waiting seconds at most for a request without a deadline (None: unbounded).
-        enabled: False ignores deadlines (no refusal by deadline; EDF off, no hold): the baseline of
-            bench/deadlines.py.
-        max_num_seqs: the scheduler's seats (the batch a request runs in).
+        enabled: False ignores deadlines (no refusal by deadline; EDF off): the baseline of bench/deadlines.py.
     """
 
-    def __init__(self, prefill_chunk: int, max_queue_time_s: float | None = None, enabled: bool = True,
-                 max_num_seqs: int = 1):
+    def __init__(self, prefill_chunk: int, max_queue_time_s: float | None = None, enabled: bool = True):
         self.prefill_chunk = max(1, prefill_chunk)
         self.max_queue_time_s = max_queue_time_s
         self.enabled = enabled
-        self.max_num_seqs = max(1, max_num_seqs)
         self.timer = StepTimer()
-        self.cost = StepCost()
         self.stats = DeadlineStats()
         self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)   # service time / estimate, admitted requests
 
     def steps_needed(self, prompt_tokens: int, output_tokens: int) -> int:
-        """:func:`.service_time.steps_needed` at this policy's prefill chunk."""
-        return steps_needed(prompt_tokens, output_tokens, self.prefill_chunk)
-
-    def observe_step(self, seconds: float, rows: int, tokens: int) -> None:
-        """The executor ran a step of ``rows`` requests and ``tokens`` tokens in ``seconds``."""
-        self.timer.observe(seconds)
-        self.cost.observe(seconds, rows, tokens)
+        """Steps from admission to the last of ``output_tokens``: the prompt's prefill chunks, then one step per
+        further token."""
+        return math.ceil(prompt_tokens / self.prefill_chunk) + max(0, output_tokens - 1)
 
     @property
     def slowdown(self) -> float:
-        """How much longer admitted requests took than estimated (:meth:`on_finished`): the largest ratio over the
-        last :data:`SLOWDOWN_WINDOW` admitted requests that ended, at least 1 (1 until :data:`SLOWDOWN_MIN_SAMPLES`
-        did; a ratio below 1 is load reserved that did not come, not an error of the model to take back), times
-        :data:`SLOWDOWN_HEADROOM`. It covers what the step time model misses (a step's cost is not linear in its
-        prompts; the driver's time between steps) and a machine that runs slower than the steps it was fitted on."""
+        """How much longer admitted requests took than planned (:meth:`on_finished`): the largest ratio over the
+        last :data:`SLOWDOWN_WINDOW` admitted requests that ended (1.0 until :data:`SLOWDOWN_MIN_SAMPLES` did),
+        times :data:`SLOWDOWN_HEADROOM`. It covers what the mean step misses: a request's own prefill step is
+        longer than the mean, and requests admitted after it add their prompts to its steps (bench/deadlines.py:
+        admitted requests take up to 1.25x the plain estimate in bursts, and the window learns a burst only as its
+        requests end)."""
         worst = max(self._ratios) if len(self._ratios) >= SLOWDOWN_MIN_SAMPLES else 1.0
-        return SLOWDOWN_HEADROOM * max(1.0, worst)
+        return SLOWDOWN_HEADROOM * worst
 
-    def load(self, running: list[Request]) -> BatchLoad | None:
-        """The running batch for the estimates; None while nothing runs (an idle engine runs a request at once, at
-        its best speed) or before the first measured step."""
-        if not running or not self.cost.ready:
+    def planned_service_s(self, request: Request) -> float | None:
+        """The plain estimate of the seconds ``request`` needs from admission to its last token:
+        :meth:`steps_needed` x the measured step time (None before the first measured step)."""
+        if self.timer.step_s is None:
             return None
-        return BatchLoad(running, self.max_num_seqs, self.prefill_chunk, self.cost)
+        steps = self.steps_needed(request.num_tokens - request.num_computed_tokens,
+                                  request.max_tokens - request.num_output_tokens)
+        return steps * self.timer.step_s
 
-    def planned_service_s(self, request: Request, load: BatchLoad | None) -> float | None:
-        """The estimate, before the slowdown, of the seconds a waiting ``request`` needs from admission to its last
-        token at ``load`` (:meth:`.service_time.BatchLoad.service_s`; None without a load)."""
-        if load is None:
-            return None
-        return load.service_s(remaining_steps(request, self.prefill_chunk),
-                              request.num_tokens - request.num_computed_tokens, joins=True)
-
-    def estimated_service_s(self, request: Request, running: list[Request]) -> float | None:
-        """:meth:`planned_service_s` x :attr:`slowdown` beside ``running`` (None while nothing runs or before the
-        first measured step)."""
-        planned = self.planned_service_s(request, self.load(running))
+    def estimated_service_s(self, request: Request) -> float | None:
+        """:meth:`planned_service_s` x :attr:`slowdown` (None before the first measured step)."""
+        planned = self.planned_service_s(request)
         return None if planned is None else planned * self.slowdown
 
-    def refusal(self, request: Request, now: float, running: list[Request],
-                load: BatchLoad | None = None) -> DeadlineError | None:
+    def refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
         """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run
-        (counted by reason and by ``request.caller``). ``load``: ``self.load(running)``, when the caller checks
-        many requests against one batch."""
-        error = self._refusal(request, now, running, load)
+        (counted by reason and by ``request.caller``)."""
+        error = self._refusal(request, now, running)
         if error is not None:
             by = self.stats.refused_by_caller
             by[request.caller] = by.get(request.caller, 0) + 1
         return error
 
-    def _refusal(self, request: Request, now: float, running: list[Request],
-                 load: BatchLoad | None) -> DeadlineError | None:
+    def _refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
         if request.num_computed_tokens > 0 or request.num_preemptions > 0:
             return None                   # admitted once: it runs on
         if request.deadline is None or not self.enabled:
@@ -171,46 +145,19 @@ class DeadlinePolicy:
                                  "before the request could be scheduled", retry_after_s=self.retry_after_s(running))
         # Only with an explicit max_tokens (the default, the room left in the context, is a cap that EOS usually
         # ends long before), and while requests run (an idle engine runs it at once, at its best speed).
-        if request.params.max_tokens is None or not running:
-            return None
-        planned = self.planned_service_s(request, load or self.load(running))
-        if planned is None:
-            return None
-        request.planned_service_s = planned   # what on_finished compares the service time with: the last check's
-        need = planned * self.slowdown
-        if need > left:
+        explicit = request.params.max_tokens is not None
+        planned = self.planned_service_s(request) if running and explicit else None
+        need = None
+        if planned is not None:   # what on_finished compares the service time with: the last check's
+            request.planned_service_s = planned
+            need = planned * self.slowdown
+        if need is not None and need > left:
             self.stats.refused_infeasible += 1
             return DeadlineError(
                 f"cannot finish within the deadline: {request.num_prompt_tokens} prompt tokens and max_tokens "
-                f"{request.max_tokens} need about {need:.2f} s beside the {len(running)} running requests "
-                f"(mean step {self.timer.step_s * 1e3:.1f} ms), {left:.2f} s are left",
-                retry_after_s=self.retry_after_s(running))
+                f"{request.max_tokens} need about {need:.2f} s at the measured {self.timer.step_s * 1e3:.1f} ms per "
+                f"step, {left:.2f} s are left", retry_after_s=self.retry_after_s(running))
         return None
-
-    def holds(self, newcomer: Request, running: list[Request], now: float | None = None) -> bool:
-        """Whether admitting the waiting ``newcomer`` at ``now`` (None: the clock now) must wait: some running
-        request with a deadline (and an explicit max_tokens) that it would still meet if nothing more were admitted
-        (its remaining steps at the running batch, no slowdown) would miss it at the load reserved for it (the
-        newcomer's prompt in place of the one reserved for the seat it takes), times :attr:`slowdown`. A request
-        admitted at the margin of its estimate holds admissions only once it runs slower than estimated by more
-        than the slowdown; one late whatever happens holds nothing."""
-        if not self.enabled or not running or not self.cost.ready:
-            return False
-        watched = [r for r in running if r.deadline is not None and r.params.max_tokens is not None]
-        if not watched:
-            return False
-        now = time.monotonic() if now is None else now
-        load = BatchLoad(running, self.max_num_seqs, self.prefill_chunk, self.cost)
-        token_s, alone_step_s, slowdown = self.cost.token_s, self.cost.decode_s(len(running)), self.slowdown
-        own = further_tokens(newcomer.num_tokens - newcomer.num_computed_tokens, self.prefill_chunk)
-        extra_s = max(0.0, own - load.follower_prompt) * token_s
-        for r in watched:
-            left, steps = r.deadline - now, remaining_steps(r, self.prefill_chunk)
-            if steps * alone_step_s + load.prefill_left * token_s > left:
-                continue                                         # late whatever waits
-            if (load.service_s(steps, 0, joins=False) + extra_s) * slowdown > left:
-                return True
-        return False
 
     def retry_after_s(self, running: list[Request]) -> float:
         """When a retry may find a seat: the estimated seconds until the running request closest to its end

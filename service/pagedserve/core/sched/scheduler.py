@@ -68,7 +68,7 @@ class Scheduler:
         self.gangs: GangOwner | None = None  # the gangs' owner (beam search's BeamGroups attaches itself)
         self.drafter = drafter
         self.last_step_composition: dict[str, int] = {}  # request id -> tokens computed in the latest step
-        self.deadlines = deadlines or DeadlinePolicy(self.long_prefill_token_threshold, max_num_seqs=max_num_seqs)
+        self.deadlines = deadlines or DeadlinePolicy(self.long_prefill_token_threshold)
         self.fairness = fairness or VirtualTokenCounter()
         self._waiting = WaitingQueue(self.deadlines, self.fairness)
 
@@ -208,13 +208,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: StepPlan, budget: int, before: Request | None = None,
                        admitted: set[int] | None = None) -> int:
-        """Admit waiting requests while budget, seats, blocks and deadlines (:meth:`.deadlines.DeadlinePolicy.holds`)
-        allow; with ``before`` (a running prefill), only those ahead of it in fair-share order (better priority, or
-        same priority and a smaller caller counter), their ids added to ``admitted``. Returns the budget left."""
+        """Admit waiting requests while budget, seats and blocks last; with ``before`` (a running prefill), only
+        those ahead of it in fair-share order (better priority, or same priority and a smaller caller counter),
+        their ids added to ``admitted``. Returns the budget left."""
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting.head()
             if before is not None and (req.gang is not None or not self.fairness.ahead(req, before)) or \
-                    self._solo and req.caller != self._solo or self.deadlines.holds(req, self.running):
+                    self._solo and req.caller != self._solo:
                 break
             if admitted is not None:
                 admitted.add(id(req))

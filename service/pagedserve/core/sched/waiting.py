@@ -76,11 +76,11 @@ class WaitingQueue:
         """Waiting requests never admitted that :class:`.deadlines.DeadlinePolicy` refuses at ``now`` (deadline
         passed, cannot finish by it, or waited ``max_queue_time_s``), each with its DeadlineError; gang members
         (beam search) are not checked. Nothing is removed here."""
-        out, load = [], self.deadlines.load(running)
+        out = []
         for entry in self._heap:
             req = entry[-1]
             if req.gang is None:
-                error = self.deadlines.refusal(req, now, running, load)
+                error = self.deadlines.refusal(req, now, running)
                 if error is not None:
                     out.append((req, error))
         return out
