@@ -124,6 +124,7 @@ def test_decode_partitions_sit_at_absolute_positions():
     assert [count(c) for c in (0, 1, 256, 257, 512, 513)] == [0, 1, 1, 2, 2, 3]
     assert count(600, 100) == 2 and count(600, 88) == 1 and count(513, 2) == 2 and count(1500, 700) == 3
     assert "constexpr int kDecodePartition = 256;" in kernels.load_source("decode_attention.cu")
+    assert "kDecodePartition" in kernels.load_source("prefill_attention_fp32.cu")
     for w in (1, 2, 255, 256, 257, 700):  # the fixed grid's window bound is reached and never exceeded
         assert max(count(c, w) for c in range(1, 3000)) == geo.plan_decode_fixed("float32", 1, 3000, 4, 4, 64, 16,
                                                                                   sliding_window=w).num_partitions
@@ -138,8 +139,10 @@ def test_prefill_geometry():
     g = geo.plan_prefill("float16", 128, 32, 3, 200)
     assert g.grid == (4, 32, 3) and g.block == (128, 1, 1) and g.smem_bytes == 2 * 128 * (64 + 128)
     assert geo.plan_prefill("bfloat16", 256, 8, 1, 1).smem_bytes == 2 * 256 * (64 + 64)
-    f = geo.plan_prefill("float32", 64, 4, 2, 33)
-    assert f.grid == (3, 4, 2) and f.smem_bytes == 4 * (16 * 64 + 32 * 65 + 32 * 64)
+    f = geo.plan_prefill("float32", 64, 4, 2, 33, 4, 16)  # GQA tile 1: 8 rows a block, the decode ring's smem
+    assert f.grid == (5, 4, 2) and f.smem_bytes == geo.decode_smem_bytes("float32", 64, 16, 1, 8) == 65536
+    f = geo.plan_prefill("float32", 256, 8, 1, 33, 2, 32)  # GQA tile 4 at head_dim 256: 1 row a block
+    assert f.grid == (33, 2, 1) and geo.prefill_fp32_rows(256, 4) == 1 and geo.prefill_fp32_rows(128, 2) == 4
 
 
 def test_row_geometry_and_vectors():

@@ -224,7 +224,8 @@ def test_planted_prefill_bug_is_caught(old, new):
     # prefill (tensor cores): the window one key too wide
     ("key <= pos - sliding_window))", "key < pos - sliding_window))", "prefill"),
     # prefill (fp32): the window one key too narrow
-    ("key > pos - sliding_window)", "key > pos - sliding_window + 1)", "prefill32"),
+    ("begin[r] = valid ? first_key(end[r], sliding_window) : 0;",
+     "begin[r] = valid ? first_key(end[r], sliding_window) + 1 : 0;", "prefill32"),
 ], ids=["decode-window", "merge-window", "prefill-window", "prefill32-window"])
 def test_planted_sliding_window_bug_is_caught(old, new, check):
     with Simulator(transform=planted(old, new)).install():
@@ -246,8 +247,8 @@ def test_planted_sliding_window_bug_is_caught(old, new, check):
     ("run.l = fmaf(run.l, w, exp2f(sink - mx));", "run.l = run.l * w;", "merge-sink"),
     # prefill (tensor cores): the sink's term left out
     ("l_run0 = l_run0 * w0 + exp2f(sink - mx0);", "l_run0 = l_run0 * w0;", "prefill-sink"),
-    # prefill (fp32): the soft-cap dropped
-    ("sc[r] = softcap_log2 * tanhf(sc[r] / softcap_log2);", "sc[r] = sc[r];", "prefill32-cap"),
+    # prefill (fp32): the soft-cap dropped (attend_chunk, which it shares with decode)
+    ("if (softcap_log2 > 0.f) dot = softcap_log2 * tanhf(dot / softcap_log2);", "", "prefill32-cap"),
 ], ids=["decode-softcap", "merge-sink", "prefill-sink", "prefill32-softcap"])
 def test_planted_softcap_and_sink_bugs_are_caught(old, new, check):
     with Simulator(transform=planted(old, new)).install():

@@ -91,8 +91,10 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
                             sliding_window: int | None = None, softcap: float | None = None,
                             sinks: torch.Tensor | None = None) -> None:
     """Causal attention of the new tokens of sequences ``seq_offset .. seq_offset + num_prefill_seqs - 1`` over
-    their cached prefix and themselves (tensor cores for fp16/bf16, a scalar kernel for fp32); under a
-    ``sliding_window`` W a token at position p sees keys p - W + 1 .. p only.
+    their cached prefix and themselves (tensor cores for fp16/bf16; for fp32 the decode kernel's partitions and
+    arithmetic, so an fp32 prefill row equals the decode of its position bit for bit); under a ``sliding_window``
+    W a token at position p sees keys p - W + 1 .. p only. Either way a row's output depends on its query, its
+    position and the keys, not on the chunk it came in or the other sequences.
 
     Args:
         out, query: ``[T, num_heads, head_dim]`` over the step's flattened tokens; only the prefill rows of
@@ -122,10 +124,11 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
     if num_prefill_seqs <= 0 or max_query_len <= 0:
         return
     num_heads = query.shape[1]
-    g = geo.plan_prefill(dtype, head_dim, num_heads, num_prefill_seqs, max_query_len)
+    g = geo.plan_prefill(dtype, head_dim, num_heads, num_prefill_seqs, max_query_len, num_kv_heads, block_size)
     args = (ptr(out), ptr(query), ptr(k_cache), ptr(v_cache), ptr(block_tables), ptr(context_lens),
             ptr(query_start_loc), np.int64(out.stride(0)), np.int64(query.stride(0)), np.int32(block_tables.stride(0)),
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(seq_offset), np.float32(scale_log2),
             np.int32(window), np.float32(cap_log2), np.uint64(0) if sinks_log2 is None else ptr(sinks_log2))
     key = module_key(rt, device, "prefill", dtype, head_dim, block_size)
-    rt.launch(key, geo.prefill_kernel_name(dtype, head_dim, block_size), device, g.grid, g.block, args, g.smem_bytes)
+    name = geo.prefill_kernel_name(dtype, head_dim, block_size, geo.decode_gqa_tile(num_heads, num_kv_heads))
+    rt.launch(key, name, device, g.grid, g.block, args, g.smem_bytes)

@@ -6,7 +6,7 @@ launchers launch with the geometry computed here (argument checks: :mod:`pagedse
 
 A plan here sets how much work a launch holds, never a row's value: the decode kernel's split-K partitions are
 :data:`DECODE_PARTITION` keys at absolute positions whatever the batch, the SM count or a CUDA graph's capacity (the
-plans only size the grid to cover them).
+plans only size the grid to cover them), and the prefill tiles sit at absolute key positions too.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ DECODE_STAGES = 4               # cp.async ring depth per warp
 DECODE_GQA_TILES = (1, 2, 4, 8)
 DECODE_PARTITION = 256          # tokens per split-K partition, at absolute key positions (kDecodePartition)
 PREFILL_NUM_WARPS = 4           # the mma kernel: 16 query rows per warp
-PREFILL_FP32_BLOCK_M, PREFILL_FP32_BLOCK_N, PREFILL_FP32_THREADS = 16, 32, 128
 
 
 def dtype_name(dtype: torch.dtype, arg: str = "dtype") -> str:
@@ -54,9 +53,11 @@ def prefill_block_n(head_dim: int) -> int:
     return 32 if head_dim > 128 else 64
 
 
-def prefill_kernel_name(dtype: str, head_dim: int, block_size: int) -> str:
+def prefill_kernel_name(dtype: str, head_dim: int, block_size: int, gqa_tile: int = 1) -> str:
+    """The prefill instantiation; ``gqa_tile`` (:func:`decode_gqa_tile`) matters for float32 only, whose kernel runs
+    the decode kernel's partitions with the decode kernel's GQA tile."""
     if dtype == "float32":
-        return f"paged_prefill_fp32_kernel<{head_dim}, {block_size}>"
+        return f"paged_prefill_fp32_kernel<{head_dim}, {block_size}, {gqa_tile}>"
     return (f"paged_prefill_kernel<{CTYPES[dtype]}, {head_dim}, {block_size}, {PREFILL_NUM_WARPS}, "
             f"{prefill_block_n(head_dim)}>")
 
@@ -120,7 +121,7 @@ def decode_num_partitions(context_len: int, sliding_window: int = 0) -> int:
 def decode_smem_bytes(dtype: str, head_dim: int, block_size: int, gqa_tile: int, rows: int = 1) -> int:
     """Dynamic shared memory of paged_decode_kernel (``rows`` 1): mirrors DecodeLayout::kSmemBytes in
     cuda/decode_chunk.cuh (each warp's cp.async ring of K/V chunks, reused for the cross-warp merge), and of
-    attend_partition for ``rows`` query rows (partition_smem_bytes, cuda/decode_partition.cuh). The kernels trap if
+    attend_partition for ``rows`` query rows (PartitionSmem, cuda/decode_partition.cuh). The kernels trap if
     given less."""
     row_vecs = head_dim // vec_elems(dtype)
     lanes_per_row = min(32, row_vecs)
@@ -129,6 +130,13 @@ def decode_smem_bytes(dtype: str, head_dim: int, block_size: int, gqa_tile: int,
     ring = DECODE_NUM_WARPS * DECODE_STAGES * 2 * steps * vecs_per_lane * 32 * 16
     merge = 4 * (DECODE_NUM_WARPS * rows * gqa_tile * head_dim + 2 * DECODE_NUM_WARPS * rows * gqa_tile)
     return max(ring, merge)
+
+
+def prefill_fp32_rows(head_dim: int, gqa_tile: int) -> int:
+    """Query rows per block of paged_prefill_fp32_kernel (PrefillFp32Rows, cuda/prefill_attention_fp32.cu): 8 (head
+    dims 64 and 128) or 4 (256) row-heads over the GQA tile, at least 1."""
+    elems = 4 if head_dim <= 128 else 8   # row elements per lane of the decode layout in float32
+    return max(1, (32 // elems) // gqa_tile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,16 +219,20 @@ class LaunchGeometry:
     smem_bytes: int
 
 
-def plan_prefill(dtype: str, head_dim: int, num_heads: int, num_prefill_seqs: int,
-                 max_query_len: int) -> LaunchGeometry:
-    """Geometry of the prefill kernel: (m-tiles, heads, sequences) blocks and its dynamic shared memory."""
+def plan_prefill(dtype: str, head_dim: int, num_heads: int, num_prefill_seqs: int, max_query_len: int,
+                 num_kv_heads: int | None = None, block_size: int = 16) -> LaunchGeometry:
+    """Geometry of the prefill kernel: (m-tiles, heads, sequences) blocks and its dynamic shared memory. float32
+    (paged_prefill_fp32_kernel, the decode kernel's partitions): (row tiles of :func:`prefill_fp32_rows`, KV heads
+    times head tiles, sequences); it needs ``num_kv_heads`` (default: ``num_heads``) and ``block_size``."""
     if dtype == "float32":
-        block_m, threads = PREFILL_FP32_BLOCK_M, PREFILL_FP32_THREADS
-        n = PREFILL_FP32_BLOCK_N
-        smem = 4 * (block_m * head_dim + n * (head_dim + 1) + n * head_dim)
-    else:
-        block_m, threads = 16 * PREFILL_NUM_WARPS, 32 * PREFILL_NUM_WARPS
-        smem = ELEM_BYTES[dtype] * head_dim * (block_m + 2 * prefill_block_n(head_dim))
+        kv_heads = num_kv_heads or num_heads
+        tile = decode_gqa_tile(num_heads, kv_heads)
+        rows = prefill_fp32_rows(head_dim, tile)
+        return LaunchGeometry(grid=(max(1, cdiv(max_query_len, rows)), kv_heads * cdiv(num_heads // kv_heads, tile),
+                                    num_prefill_seqs), block=(DECODE_NUM_WARPS * 32, 1, 1),
+                              smem_bytes=decode_smem_bytes(dtype, head_dim, block_size, tile, rows))
+    block_m, threads = 16 * PREFILL_NUM_WARPS, 32 * PREFILL_NUM_WARPS
+    smem = ELEM_BYTES[dtype] * head_dim * (block_m + 2 * prefill_block_n(head_dim))
     return LaunchGeometry(grid=(max(1, cdiv(max_query_len, block_m)), num_heads, num_prefill_seqs),
                           block=(threads, 1, 1), smem_bytes=smem)
 
