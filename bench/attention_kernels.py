@@ -65,8 +65,7 @@ def decode_case(dtype: torch.dtype, ctx: int, batch: int, heads: int, kv_heads: 
     query = torch.randn(batch, heads, head_dim, device="cuda").to(dtype)
     out = torch.empty_like(query)
     scale = head_dim ** -0.5
-    plan = geo.plan_decode(geo.dtype_name(dtype), [ctx] * batch, heads, kv_heads, head_dim, block_size,
-                           kernels.num_sms(0))
+    plan = geo.plan_decode(geo.dtype_name(dtype), [ctx] * batch, heads, kv_heads, head_dim, block_size)
 
     def kernel():
         kernels.paged_decode_attention(out, query, k_cache, v_cache, tables, context_lens, scale, plan=plan)

@@ -1,25 +1,75 @@
-// Building blocks of paged_decode_kernel (decode_attention.cu): the lane layout over K/V rows, the per-lane
-// online-softmax state, staging one chunk of K/V into a warp's cp.async ring, and folding a staged chunk into the
-// softmax state.
+// Building blocks of paged_decode_kernel (decode_attention.cu) and paged_prefill_fp32_kernel
+// (prefill_attention_fp32.cu): the fixed split-K partitions, the lane layout over K/V rows, the per-lane
+// online-softmax state, staging one chunk of K/V into a warp's cp.async ring, folding a staged chunk into the softmax
+// state, and the merge of partitions' partial states (decode_partition.cuh runs a whole partition).
 #pragma once
 
 #include "common.cuh"
 
 namespace pagedserve {
 
-// Where paged_decode_kernel's partitions start for a context of ctx tokens: 0, or under a sliding window W > 0 the
-// window's first token (ctx - W) rounded down to its cache block. The merge kernel uses the same rule.
-__device__ __forceinline__ int window_read_start(int ctx, int sliding_window, int block_size) {
-  if (sliding_window <= 0 || ctx <= sliding_window) return 0;
-  const int first = ctx - sliding_window;
-  return first - first % block_size;
+// Split-K partitions at absolute key positions: partition p of a sequence holds its keys [p * 256, p * 256 + 256),
+// whatever the batch, the grid, the SM count or the context capacity a CUDA graph was captured for (and the CPU
+// kernels split at the same positions). kernels/geometry.py's DECODE_PARTITION mirrors it.
+constexpr int kDecodePartition = 256;
+constexpr int kDecodeWarps = 4;  // warps per block of paged_decode_kernel and paged_prefill_fp32_kernel
+
+// The first key a query at position end - 1 attends to: 0, or under a sliding window W > 0 end - W (transformers'
+// sliding_window: W keys counting its own).
+__device__ __forceinline__ int first_key(int end, int sliding_window) {
+  return sliding_window > 0 ? max(0, end - sliding_window) : 0;
+}
+
+// A partition's (or a running merge's) softmax state for one output element, in the log2 domain: m the max score,
+// l = sum of exp2(s - m), o = sum of exp2(s - m) * v (unnormalised). An empty partition has m = -inf.
+struct PartialState {
+  float m, l, o;
+};
+
+// Folds a partition's state (pm, pl, po[]) into the running state (m, l, o[]) of N output elements of one
+// row-head (m and l are per row-head), which starts at (-inf, 0, 0); partitions are folded in key order. Written with
+// explicit fmaf so no contraction choice of the compiler can differ between its callers: the decode kernel (one
+// partition), the merge kernel (several) and the fp32 prefill kernel (in a loop, N elements at a time) give the same
+// bits for the same partition states.
+template <int N>
+__device__ __forceinline__ void merge_states(float& m, float& l, float (&o)[N], float pm, float pl,
+                                             const float (&po)[N]) {
+  if (pm == neg_inf()) return;  // no key: nothing to add
+  const float mx = fmaxf(m, pm);
+  const float a = exp2f(m - mx);  // 0 while the running state is empty (m = -inf)
+  const float b = exp2f(pm - mx);
+  l = fmaf(l, a, pl * b);
+#pragma unroll
+  for (int i = 0; i < N; ++i) o[i] = fmaf(o[i], a, po[i] * b);
+  m = mx;
+}
+
+// merge_states for one output element.
+__device__ __forceinline__ void merge_state(PartialState& run, const PartialState& p) {
+  float o[1] = {run.o};
+  const float po[1] = {p.o};
+  merge_states<1>(run.m, run.l, o, p.m, p.l, po);
+  run.o = o[0];
+}
+
+// The output element of a merged state: o / l, with gpt-oss's sink (sinks_log2 non-null: head h's logit * log2(e))
+// adding exp2(sink - M) to the denominator, everything relative to M = max(m, sink); 0 when there is no key.
+__device__ __forceinline__ float finish_state(PartialState run, const float* sinks_log2, int head) {
+  if (sinks_log2 != nullptr) {
+    const float sink = sinks_log2[head], mx = fmaxf(run.m, sink), w = exp2f(run.m - mx);
+    run.o = run.o * w;
+    run.l = fmaf(run.l, w, exp2f(sink - mx));
+  }
+  return run.l > 0.f ? run.o / run.l : 0.f;
 }
 
 // How lanes map onto K/V rows. A row (one token, one KV head) is HEAD_DIM elements = kRowVecs 16-byte vectors;
 // kLanesPerRow lanes read it (kVecsPerLane vectors each, coalesced), so a warp covers kRows tokens per step.
-// kernel_geometry.decode_smem_bytes mirrors kSmemBytes; the kernel traps if it is launched with less.
+// kernels/geometry.py's decode_smem_bytes mirrors kSmemBytes (and PartitionSmem, decode_partition.cuh, for several
+// query rows); the kernels trap if launched with less.
 template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GQA_TILE, int NUM_WARPS>
 struct DecodeLayout {
+  static constexpr int kHeadDim = HEAD_DIM, kBlockSize = BLOCK_SIZE, kGqaTile = GQA_TILE, kNumWarps = NUM_WARPS;
   static constexpr int kVec = VecTraits<T>::kVec;
   static constexpr int kRowVecs = HEAD_DIM / kVec;
   static constexpr int kLanesPerRow = kRowVecs < 32 ? kRowVecs : 32;
@@ -81,9 +131,9 @@ __device__ __forceinline__ void stage_chunk(uint4* stage, const T* k_cache, cons
 
 // One staged chunk into the online softmax: scores of every step's token for every head (partial dot products,
 // then a butterfly over the lanes of the row), the chunk max over the warp, rescaling, and acc += p * V.
-// Rows [first_valid, valid_rows) of the chunk are attended to: valid_rows = tokens before the partition's end (>= 1),
-// first_valid = the sliding window's first token relative to the chunk (<= 0 without a window). A chunk may hold no
-// valid row (all before the window): it then adds nothing. softcap_log2 > 0: each score s (log2 domain) becomes
+// Rows [first_valid, valid_rows) of the chunk are attended to: the query row's keys in this partition, relative to
+// the chunk (valid_rows >= 1; first_valid <= 0 unless the row's first key is inside the chunk). Every operation is
+// per query head, so a head's state depends on its query and the chunk's keys only. softcap_log2 > 0: each score s (log2 domain) becomes
 // softcap_log2 * tanh(s / softcap_log2), Gemma 2's c * tanh(x / c) with c = softcap * log2(e).
 template <typename L, typename T, int GQA_TILE>
 __device__ __forceinline__ void attend_chunk(SoftmaxState<GQA_TILE, L::kElems>& st,
@@ -130,7 +180,7 @@ __device__ __forceinline__ void attend_chunk(SoftmaxState<GQA_TILE, L::kElems>& 
       sc[s][g] = exp2f(sc[s][g] - base);  // masked tokens: exp2(-inf) = 0
       psum += sc[s][g];
     }
-    st.l[g] = st.l[g] * alpha + psum;
+    st.l[g] = fmaf(st.l[g], alpha, psum);
 #pragma unroll
     for (int e = 0; e < L::kElems; ++e) st.acc[g][e] *= alpha;
   }

@@ -11,6 +11,16 @@
 // accumulators are re-packed in place as the A operand of P V. K/V tiles are gathered from the paged cache with
 // cp.async into XOR-swizzled shared memory (conflict-free ldmatrix), V's load overlapping S and the next K's load
 // overlapping P V. fp32 has no tensor-core path here: see prefill_attention_fp32.cu.
+//
+// Batch invariance: a row's output depends on its query, its position and the keys only, not on the chunk it came
+// in, its place in the query tile or the other sequences. The key tiles sit at absolute key positions (tile t holds
+// keys [t * BLOCK_N, t * BLOCK_N + BLOCK_N)), each row folds them in key order, its reductions (the quad's max and
+// sum) never mix rows, and a tile that holds no key of the row (before its window, past its position, or skipped
+// for the whole warp) leaves the row's state as it was (its scores are -inf: alpha = 1, or 0 on the empty state, and
+// it adds p = 0). It is not the decode kernel's arithmetic: S and P V are mma.m16n8k16 products, P rounded to T,
+// over BLOCK_N-key tiles, where paged_decode_kernel folds fp32 fmas over 256-key partitions on CUDA cores; so a
+// prompt's row and a decode of the same position differ in the last bits (fp32 prefill equals the decode: see
+// prefill_attention_fp32.cu).
 #include "common.cuh"
 
 namespace pagedserve {

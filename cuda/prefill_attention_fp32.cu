@@ -1,14 +1,30 @@
 // Paged prefill attention in fp32 on CUDA cores: the contract of paged_prefill_kernel (prefill_attention.cu),
-// which needs fp16/bf16 for its tensor-core path. Same grid: (ceil(max_query_len / 16), num_heads,
-// num_prefill_seqs), m-tiles visited last-first; query row r of a sequence sits at position
-// p = context_len - query_len + r and sees keys 0..p, or under a sliding window W > 0 keys p - W + 1 .. p.
-#include "common.cuh"
+// which needs fp16/bf16 for its tensor-core path, computed with the decode kernel's arithmetic. Query row r of a
+// sequence sits at position p = context_len - query_len + r and sees keys 0..p, or under a sliding window W > 0 keys
+// p - W + 1 .. p: exactly the keys of a decode at context length p + 1.
+//
+// Each block takes kRows consecutive query rows of one sequence and one KV head's tile of GQA_TILE query heads, and
+// runs their keys through the decode kernel's fixed split-K partitions (256 keys at absolute positions) with the
+// same code (attend_partition: the same chunks to the same warps, the same per-chunk online softmax for each row,
+// the same warp merge), folding the partitions' states in key order with the decode merge's merge_state and
+// normalising with its finish_state. So a row's output is the same function of its query, its position and the keys
+// as a decode's: the same bits as paged_decode_kernel (+ merge) for that position, whatever chunk the row came in,
+// its place in the chunk or the other sequences. The kRows rows share every K/V chunk the block stages (they differ
+// only in their masks). Grid: (ceil(max_query_len / kRows), num_kv_heads * head tiles, num_prefill_seqs), row tiles
+// visited last-first (the longest first).
+#include "decode_partition.cuh"
 
-// fp32 prefill: the same contract as paged_prefill_kernel, on CUDA cores. Each warp owns 4 query rows of a
-// 16-row tile; each lane scores one key of a 32-key tile (K rows padded by one float, so conflict-free) and owns
-// HEAD_DIM / 32 output columns. Dynamic shared memory: (16 * HEAD_DIM + 32 * (HEAD_DIM + 1) + 32 * HEAD_DIM) * 4.
-template <int HEAD_DIM, int BLOCK_SIZE>
-__global__ void __launch_bounds__(128)
+// Query rows per block: 8 / GQA_TILE row-heads' worth of registers at head_dim <= 128, 4 / GQA_TILE at 256 (at
+// least one row). kernels/geometry.py's prefill_fp32_rows mirrors it.
+template <typename L> struct PrefillFp32Rows {
+  static constexpr int kRowHeads = 32 / L::kElems;
+  static constexpr int value = kRowHeads / L::kGqaTile > 0 ? kRowHeads / L::kGqaTile : 1;
+};
+
+// Arguments: those of paged_prefill_kernel (prefill_attention.cu). Dynamic shared memory:
+// PartitionSmem<L, kRows>::kBytes (kernels/geometry.py's decode_smem_bytes with rows = kRows).
+template <int HEAD_DIM, int BLOCK_SIZE, int GQA_TILE>
+__global__ void __launch_bounds__(pagedserve::kDecodeWarps * 32, 2)
     paged_prefill_fp32_kernel(float* __restrict__ out, const float* __restrict__ query,
                               const float* __restrict__ k_cache, const float* __restrict__ v_cache,
                               const int* __restrict__ block_tables, const int* __restrict__ context_lens,
@@ -17,109 +33,82 @@ __global__ void __launch_bounds__(128)
                               float scale_log2, int sliding_window, float softcap_log2,
                               const float* __restrict__ sinks_log2) {
   using namespace pagedserve;
-  constexpr int kRows = 4, kBlockM = 16, kBlockN = 32, kPad = HEAD_DIM + 1, kPerLane = HEAD_DIM / 32;
-  extern __shared__ float4 smem_f4[];
-  float* s_q = reinterpret_cast<float*>(smem_f4);
-  float* s_k = s_q + kBlockM * HEAD_DIM;
-  float* s_v = s_k + kBlockN * kPad;
+  using L = DecodeLayout<float, HEAD_DIM, BLOCK_SIZE, GQA_TILE, kDecodeWarps>;
+  constexpr int kRows = PrefillFp32Rows<L>::value, kRG = kRows * GQA_TILE, kThreads = kDecodeWarps * 32;
+  // Thread t keeps the running state of kOwn consecutive output elements of one row-head: (t / kPerRG, its row-head,
+  // and columns kOwn * (t % kPerRG) on).
+  constexpr int kPerRG = kThreads / kRG, kOwn = HEAD_DIM / kPerRG;
+  static_assert(kThreads % kRG == 0 && HEAD_DIM % kPerRG == 0, "row-heads must split the block evenly");
+  extern __shared__ uint4 smem_ring[];
+  if (threadIdx.x == 0 && dynamic_smem_bytes() < (unsigned int)PartitionSmem<L, kRows>::kBytes) __trap();
 
-  const int seq = seq_offset + blockIdx.z, head = blockIdx.y;
+  const int seq = seq_offset + blockIdx.z;
   const int q_begin = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - q_begin;
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kRows;
   if (m0 >= q_len) return;
   const int prefix = context_lens[seq] - q_len;
-  const int rows_here = min(kBlockM, q_len - m0);
-  const int kv_end = prefix + m0 + rows_here;
-  const int kv_begin = sliding_window > 0 ? max(0, prefix + m0 - sliding_window + 1) : 0;  // the first row's first key
-  const int kv_head = head / (num_heads / num_kv_heads);
+  const int group = num_heads / num_kv_heads;
+  const int tiles_per_kv_head = (group + GQA_TILE - 1) / GQA_TILE;
+  const int kv_head = blockIdx.y / tiles_per_kv_head;
+  const int head_base = kv_head * group + (blockIdx.y % tiles_per_kv_head) * GQA_TILE;
+  const int heads_here = min(GQA_TILE, kv_head * group + group - head_base);
+  const int lane = threadIdx.x & 31, col = lane % L::kLanesPerRow;
+
+  // Each row's keys [begin, end) (none for a row past the chunk) and its pre-scaled query slices.
+  int begin[kRows], end[kRows];
+  float q[kRows][GQA_TILE][L::kElems];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const bool valid = m0 + r < q_len;
+    end[r] = valid ? prefix + m0 + r + 1 : 0;
+    begin[r] = valid ? first_key(end[r], sliding_window) : 0;
+#pragma unroll
+    for (int g = 0; g < GQA_TILE; ++g)
+#pragma unroll
+      for (int j = 0; j < L::kVecsPerLane; ++j) {
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (valid && g < heads_here)
+          raw = ldg16(query + (long long)(q_begin + m0 + r) * q_stride + (long long)(head_base + g) * HEAD_DIM +
+                      (col + j * L::kLanesPerRow) * L::kVec);
+        float f[L::kVec];
+        unpack_vec<float>(raw, f);
+#pragma unroll
+        for (int e = 0; e < L::kVec; ++e) q[r][g][j * L::kVec + e] = f[e] * scale_log2;
+      }
+  }
+  const int tile_lo = begin[0], tile_hi = prefix + min(q_len, m0 + kRows);  // the rows' keys: [tile_lo, tile_hi)
   const int* table = block_tables + (long long)seq * block_table_stride;
   const long long row_stride = (long long)num_kv_heads * HEAD_DIM;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long lane_offset = (long long)kv_head * HEAD_DIM + col * L::kVec;
 
-  for (int i = threadIdx.x; i < kBlockM * HEAD_DIM; i += 128) {
-    const int r = i / HEAD_DIM, d = i % HEAD_DIM;
-    s_q[i] = r < rows_here ? query[(long long)(q_begin + m0 + r) * q_stride + (long long)head * HEAD_DIM + d] * scale_log2
-                           : 0.f;
-  }
-  float o[kRows][kPerLane], m_run[kRows], l_run[kRows];
+  const int my_rg = threadIdx.x / kPerRG, my_r = my_rg / GQA_TILE, my_g = my_rg % GQA_TILE;
+  const int d0 = (threadIdx.x % kPerRG) * kOwn;
+  float run_m = neg_inf(), run_l = 0.f, run_o[kOwn];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    m_run[r] = neg_inf();
-    l_run[r] = 0.f;
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) o[r][e] = 0.f;
-  }
-
-  for (int n0 = kv_begin - kv_begin % kBlockN; n0 < kv_end; n0 += kBlockN) {
-    __syncthreads();  // previous tile fully consumed (and s_q written, on the first pass)
-    for (int i = threadIdx.x; i < kBlockN * (HEAD_DIM / 4); i += 128) {
-      const int r = i / (HEAD_DIM / 4), c = (i % (HEAD_DIM / 4)) * 4, token = n0 + r;
-      float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f), v4 = k4;
-      if (token >= kv_begin && token < kv_end) {
-        const int phys = __ldg(table + token / BLOCK_SIZE);
-        const long long off = ((long long)phys * BLOCK_SIZE + token % BLOCK_SIZE) * row_stride +
-                              (long long)kv_head * HEAD_DIM + c;
-        k4 = __ldg(reinterpret_cast<const float4*>(k_cache + off));
-        v4 = __ldg(reinterpret_cast<const float4*>(v_cache + off));
-      }
-      s_k[r * kPad + c] = k4.x; s_k[r * kPad + c + 1] = k4.y; s_k[r * kPad + c + 2] = k4.z; s_k[r * kPad + c + 3] = k4.w;
-      *reinterpret_cast<float4*>(s_v + r * HEAD_DIM + c) = v4;
-    }
-    __syncthreads();
-
-    float sc[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) sc[r] = 0.f;
-    for (int d = 0; d < HEAD_DIM; ++d) {
-      const float k = s_k[lane * kPad + d];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) sc[r] = fmaf(s_q[(warp * kRows + r) * HEAD_DIM + d], k, sc[r]);
-    }
-    if (softcap_log2 > 0.f)   // Gemma 2's soft-cap, in the log2 domain
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) sc[r] = softcap_log2 * tanhf(sc[r] / softcap_log2);
-    float p[kRows];
+  for (int k = 0; k < kOwn; ++k) run_o[k] = 0.f;
+  for (int part = tile_lo / kDecodePartition; part * kDecodePartition < tile_hi; ++part) {
+    const int start = part * kDecodePartition, stop = start + kDecodePartition;
+    int b[kRows], e[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const int pos = prefix + m0 + warp * kRows + r;
-      const int key = n0 + lane;
-      const float v = key <= pos && (sliding_window <= 0 || key > pos - sliding_window) ? sc[r] : neg_inf();
-      const float m_new = fmaxf(m_run[r], warp_max_range<1, 32>(v));
-      const float base = m_new == neg_inf() ? 0.f : m_new;
-      const float alpha = exp2f(m_run[r] - base);
-      p[r] = exp2f(v - base);
-      l_run[r] = l_run[r] * alpha + warp_sum_range<1, 32>(p[r]);
-      m_run[r] = m_new;
-#pragma unroll
-      for (int e = 0; e < kPerLane; ++e) o[r][e] *= alpha;
+      b[r] = max(begin[r], start);
+      e[r] = min(end[r], stop);
     }
-    for (int j = 0; j < kBlockN; ++j) {
-      float vj[kPerLane];
+    attend_partition<L, float, kRows>(q, b, e, max(tile_lo, start), min(tile_hi, stop), smem_ring, k_cache,
+                                      v_cache, table, row_stride, lane_offset, softcap_log2);
+    float po[kOwn];
+    PartialState p = warp_partial<L, kRows>(smem_ring, my_rg, d0);  // its m and l are the row-head's
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) vj[e] = s_v[j * HEAD_DIM + lane + 32 * e];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float pj = __shfl_sync(0xffffffffu, p[r], j);
-#pragma unroll
-        for (int e = 0; e < kPerLane; ++e) o[r][e] = fmaf(pj, vj[e], o[r][e]);
-      }
-    }
+    for (int k = 0; k < kOwn; ++k) po[k] = k == 0 ? p.o : warp_partial<L, kRows>(smem_ring, my_rg, d0 + k).o;
+    merge_states<kOwn>(run_m, run_l, run_o, p.m, p.l, po);
+    __syncthreads();  // every thread has read the states before the next partition stages over them
   }
 
+  if (m0 + my_r < q_len && my_g < heads_here) {
+    float* dst = out + (long long)(q_begin + m0 + my_r) * out_stride + (long long)(head_base + my_g) * HEAD_DIM + d0;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = m0 + warp * kRows + r;
-    if (row >= q_len) continue;
-    float w = 1.f, l = l_run[r];
-    if (sinks_log2 != nullptr) {   // gpt-oss's sink: one more denominator term, relative to M = max(m, sink)
-      const float sink = sinks_log2[head], mx = fmaxf(m_run[r], sink);
-      w = exp2f(m_run[r] - mx);
-      l = l * w + exp2f(sink - mx);
-    }
-    const float inv = l > 0.f ? w / l : 0.f;
-    float* dst = out + (long long)(q_begin + row) * out_stride + (long long)head * HEAD_DIM;
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) dst[lane + 32 * e] = o[r][e] * inv;
+    for (int k = 0; k < kOwn; ++k)
+      dst[k] = finish_state(PartialState{run_m, run_l, run_o[k]}, sinks_log2, head_base + my_g);
   }
 }

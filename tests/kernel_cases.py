@@ -73,37 +73,61 @@ def check_decode(device, dtype, head_dim, block_size, cases, max_seqs_256: int |
         assert_attention_close(out, ref, dtype)
 
 
-def check_decode_partitions(device, dtype, ctx, heads, kv_heads, head_dim, block_size, sizes, num_sms=132,
-                            window=None, softcap=None, sinks=False):
-    """The same batch through each forced split-K partition size in ``sizes`` (None: the automatic plan) equals
-    the reference (under ``window``: the window's tokens split); returns the automatic plan."""
+def decode_once(query, k_cache, v_cache, tables, context_lens, scale, plan=None, **kw):
+    """One paged_decode_attention launch into a NaN-filled output (``plan`` None: the launcher's own plan from the
+    host context lengths); returns the output."""
+    out = torch.full_like(query, float("nan"))
+    host = None if plan is not None else context_lens.tolist()
+    kernels.paged_decode_attention(out, query, k_cache, v_cache, tables, context_lens, scale,
+                                   context_lens_cpu=host, plan=plan, **kw)
+    return out
+
+
+def check_decode_partitions(device, dtype, ctx, heads, kv_heads, head_dim, block_size, window=None, softcap=None,
+                            sinks=False, capacity=None):
+    """A batch whose contexts read one or several of the fixed 256-key split-K partitions (merged in order) equals
+    the reference, and each sequence's output is the same bits alone as in the batch, and in the fixed grid of a
+    CUDA graph of ``capacity`` tokens (default: twice the longest context) with every sequence. Returns the batch's
+    plan."""
     num_blocks = blocks_needed(ctx, block_size) + 1
     k_cache, v_cache = make_caches(num_blocks, block_size, kv_heads, head_dim, dtype, device, seed=7)
     meta = make_meta(ctx, [1] * len(ctx), block_size, num_blocks, device, seed=7)
     query = torch.randn(len(ctx), heads, head_dim, device=device).to(dtype)
     sink = head_sinks(heads, device) if sinks else None
-    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, 0.1, sliding_window=window, softcap=softcap,
-                                        sinks=sink)
+    kw = dict(sliding_window=window, softcap=softcap, sinks=sink)
+    ref = torch_ref.paged_attention_ref(query, k_cache, v_cache, meta, 0.1, **kw)
     name = geo.dtype_name(dtype)
-    auto = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, num_sms=num_sms,
-                           sliding_window=window or 0)
-    for size in sizes:
-        plan = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, num_sms=num_sms,
-                               partition_size=size or auto.partition_size, sliding_window=window or 0)
-        out = torch.empty_like(query)
-        kernels.paged_decode_attention(out, query, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.1,
-                                       plan=plan, sliding_window=window, softcap=softcap, sinks=sink)
-        assert_attention_close(out, ref, dtype)
-    return auto
+    plan = geo.plan_decode(name, ctx, heads, kv_heads, head_dim, block_size, sliding_window=window or 0)
+    tables, lens = meta.block_tables, meta.context_lens
+    batch = decode_once(query, k_cache, v_cache, tables, lens, 0.1, plan=plan, **kw)
+    assert_attention_close(batch, ref, dtype)
+    fixed = geo.plan_decode_fixed(name, len(ctx), capacity or 2 * max(ctx), heads, kv_heads, head_dim, block_size,
+                                  sliding_window=window or 0)
+    assert_same_bits(decode_once(query, k_cache, v_cache, tables, lens, 0.1, plan=fixed, **kw), batch, "fixed grid")
+    for i in range(len(ctx)):
+        alone = decode_once(query[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], 0.1, **kw)
+        assert_same_bits(alone, batch[i:i + 1], f"sequence {i} (context {ctx[i]}) alone")
+    return plan
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bit-identical (NaN where NaN, the same sign of zero): a batch-invariance check, not a tolerance."""
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    same = got.view(torch.int16 if got.element_size() == 2 else torch.int32) == \
+        want.view(torch.int16 if want.element_size() == 2 else torch.int32)
+    if not bool(same.all()):
+        diff = (got.float() - want.float()).abs().max().item()
+        raise AssertionError(f"{what}: {int((~same).sum())} of {same.numel()} elements differ (max |diff| {diff:.3g})")
 
 
 def check_decode_fixed(device, dtype, head_dim, block_size, ctx, heads, kv_heads, capacity, num_padded,
-                       num_sms=132, window=None):
+                       window=None):
     """The CUDA-graph decode launch: the fixed grid of plan_decode_fixed (from the batch size and ``capacity``
     tokens only) over sequences of context ``ctx`` followed by ``num_padded`` padded rows (context 0), with a
     static block table ``capacity / block_size`` wide whose unused entries (past each context, and every padded
     row) hold a block id far outside the cache, so a kernel that read one would fault (on the emulator: stop).
-    Real rows equal the reference; padded rows are zeros. Returns the plan."""
+    Real rows equal the reference and, bit for bit, an eager launch of theirs; padded rows are zeros. Returns the
+    plan."""
     n, total = len(ctx), len(ctx) + num_padded
     num_blocks = blocks_needed(ctx, block_size) + 2
     k_cache, v_cache = make_caches(num_blocks, block_size, kv_heads, head_dim, dtype, device, seed=11)
@@ -116,7 +140,7 @@ def check_decode_fixed(device, dtype, head_dim, block_size, ctx, heads, kv_heads
     context_lens = torch.tensor(list(ctx) + [0] * num_padded, dtype=torch.int32, device=device)
     query = torch.randn(total, heads, head_dim, device=device).to(dtype)
     plan = geo.plan_decode_fixed(geo.dtype_name(dtype), total, capacity, heads, kv_heads, head_dim, block_size,
-                                 num_sms=num_sms, sliding_window=window or 0)
+                                 sliding_window=window or 0)
     out = torch.full_like(query, float("nan"))
     scale = head_dim ** -0.5
     kernels.paged_decode_attention(out, query, k_cache, v_cache, tables, context_lens, scale, plan=plan,
@@ -124,6 +148,8 @@ def check_decode_fixed(device, dtype, head_dim, block_size, ctx, heads, kv_heads
     ref = torch_ref.paged_attention_ref(query[:n], k_cache, v_cache, meta, scale, sliding_window=window)
     assert_attention_close(out[:n], ref, dtype)
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows (context 0) must be zeros"
+    eager = decode_once(query[:n], k_cache, v_cache, tables[:n], context_lens[:n], scale, sliding_window=window)
+    assert_same_bits(out[:n], eager, "fixed grid vs the eager plan")  # the capacity sets the grid, not the values
     return plan
 
 

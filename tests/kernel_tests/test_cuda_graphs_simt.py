@@ -26,8 +26,8 @@ from simt import Simulator, unavailable
 
 needs_sim = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 CPU = torch.device("cpu")
-# Fixed grid split into partitions: 8 sequences at a 2048-token capacity -> 16 partitions of 128 tokens, of which
-# the 700-token context fills 6 and the others 1 or 2; 3 padded rows.
+# Fixed grid split into partitions: 8 sequences at a 2048-token capacity -> 8 slots for the fixed 256-token
+# partitions, of which the 700-token context reads 3 and the others 1; 3 padded rows.
 SPLIT = dict(ctx=[1, 16, 17, 130, 700], heads=8, kv_heads=2, capacity=2048, num_padded=3)
 # Capacity inside one partition: no merge; the decode kernel itself zeroes the padded rows.
 SINGLE = dict(ctx=[1, 100, 256], heads=9, kv_heads=3, capacity=256, num_padded=2)
@@ -45,7 +45,7 @@ def sim():
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
 def test_fixed_grid_decode_with_empty_partitions(sim, dtype):
     plan = kc.check_decode_fixed(CPU, dtype, 128, 16, **SPLIT)
-    assert (plan.num_partitions, plan.partition_size) == (16, 128)
+    assert (plan.num_partitions, plan.partition_size) == (8, 256)
     assert any(name.startswith("paged_decode_merge_kernel") for name, *_ in sim.launches)
 
 
@@ -56,8 +56,8 @@ def test_fixed_grid_decode_sliding_window(sim, window):
     equal the windowed reference, padded rows are zeros."""
     plan = kc.check_decode_fixed(CPU, torch.float16, 128, 16, **SPLIT, window=window)
     assert plan.sliding_window == window
-    assert plan.num_partitions * plan.partition_size >= window + 15
-    assert plan.num_partitions < geo.plan_decode_fixed("float16", 8, 2048, 8, 2, 128, 16, num_sms=132).num_partitions
+    assert plan.num_partitions == 2  # a window of 20 or 200 keys may straddle one partition boundary
+    assert plan.num_partitions < geo.plan_decode_fixed("float16", 8, 2048, 8, 2, 128, 16).num_partitions
 
 
 @needs_sim
@@ -68,12 +68,14 @@ def test_fixed_grid_decode_single_partition(sim):
 
 def test_fixed_plan_is_the_plan_at_capacity():
     """The fixed plan is the host planner's for every context at capacity (the largest grid a step can need);
-    a host plan for short contexts would have one partition, which is why replays cannot reuse it."""
-    fixed = geo.plan_decode_fixed("float16", 8, 2048, 8, 2, 128, 16, num_sms=132)
-    assert fixed == geo.plan_decode("float16", [2048] * 8, 8, 2, 128, 16, num_sms=132)
-    assert geo.plan_decode("float16", [100] * 8, 8, 2, 128, 16, num_sms=132).num_partitions == 1
+    a host plan for short contexts would have one partition, which is why replays cannot reuse it. Either way the
+    partitions are the fixed 256 keys: the plans differ in slots, not in any sequence's values."""
+    fixed = geo.plan_decode_fixed("float16", 8, 2048, 8, 2, 128, 16)
+    assert fixed == geo.plan_decode("float16", [2048] * 8, 8, 2, 128, 16)
+    assert geo.plan_decode("float16", [100] * 8, 8, 2, 128, 16).num_partitions == 1
+    assert geo.plan_decode_fixed("float16", 8, 2048, 8, 2, 128, 16, sliding_window=300).num_partitions == 3
     with pytest.raises(ValueError, match="num_seqs"):
-        geo.plan_decode_fixed("float16", 0, 2048, 8, 2, 128, 16, num_sms=132)
+        geo.plan_decode_fixed("float16", 0, 2048, 8, 2, 128, 16)
 
 
 @pytest.mark.skipif(not kernels.nvrtc_available(), reason="NVRTC or the CUDA headers are not installed")
@@ -81,7 +83,7 @@ def test_fixed_plan_is_the_plan_at_capacity():
 def test_fixed_grid_kernels_compile_with_nvrtc(arch):
     """The fixed grid launches instantiations the decode module holds; NVRTC compiles them for the GPU (no
     register spills), with the smem the plan asks for within the sm_80 opt-in limit (163 KiB)."""
-    plan = geo.plan_decode_fixed("bfloat16", 64, 8192, 9, 3, 64, 16, num_sms=132)
+    plan = geo.plan_decode_fixed("bfloat16", 64, 8192, 9, 3, 64, 16)
     key = ModuleKey("decode", "bfloat16", 64, 16, arch)
     names = (geo.decode_kernel_name("bfloat16", 64, 16, plan.gqa_tile), geo.decode_merge_kernel_name("bfloat16", 64))
     result = kernels.compile_to_cubin(key)
@@ -93,8 +95,9 @@ def test_fixed_grid_kernels_compile_with_nvrtc(arch):
 @needs_sim
 @pytest.mark.parametrize("old,new,case", [
     # the merge drops a context's last, partly filled partition
-    ("min(num_parts, (read + partition_size - 1) / partition_size)", "min(num_parts, read / partition_size)", SPLIT),
-    ("if (ctx <= 0 && num_parts == 1)", "if (false)", SINGLE),  # padded rows left unwritten
+    ("const int used = min(num_slots, num_partitions(context_lens[seq], sliding_window));",
+     "const int used = min(num_slots, num_partitions(context_lens[seq], sliding_window)) - 1;", SPLIT),
+    ("if (ctx <= 0 && slot == 0)", "if (false)", SINGLE),  # padded rows left unwritten
 ], ids=["merge-floor", "padded-not-zeroed"])
 def test_planted_fixed_grid_bug_is_caught(old, new, case):
     with Simulator(transform=kc.planted(old, new)).install():
@@ -193,8 +196,11 @@ def test_padded_rows_write_no_kv_and_match_eager(sim, tiny):
     for (k, v), (k0, v0), (ke, ve) in zip(runner.kv_caches, before, eager_caches):
         changed = ((k != k0).flatten(2).any(-1) | (v != v0).flatten(2).any(-1)).flatten().nonzero().flatten()
         assert sorted(changed.tolist()) == sorted(slots)
-        torch.testing.assert_close(k, ke, atol=1e-5, rtol=1e-5)  # layer 1's rows follow layer 0's attention,
-        torch.testing.assert_close(v, ve, atol=1e-5, rtol=1e-5)  # split differently by the two decode plans
+        # not bit for bit: this random model's linears are torch's, whose results change with the padded row
+        # (already layer 0's K/V); the attention itself is the same bits in the graph's grid and the eager plan
+        # (kernel_cases.check_decode_fixed)
+        torch.testing.assert_close(k, ke, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, ve, atol=1e-5, rtol=1e-5)
 
 
 @needs_sim

@@ -242,6 +242,6 @@ def test_launch_arguments_match_kernel_signatures(recorded_launches):
         assert len(grid) == 3 and len(block) == 3 and all(d >= 1 for d in (*grid, *block))
     decode, merge, prefill, prefill_fp32 = recorded_launches[:4]
     assert decode[5] == geo.decode_smem_bytes("float16", 64, 16, 2) > 0  # the ring's dynamic shared memory
-    assert decode[2][0] > 1 and merge[5] == 4 * decode[2][0]  # partitions; merge weights
+    assert decode[2][0] == 20 and merge[5] == 0  # 256-token partitions of 5000 tokens; the merge's state in registers
     assert prefill[5] == geo.plan_prefill("float16", 64, 4, 2, 1).smem_bytes > 0
-    assert prefill_fp32[5] == geo.plan_prefill("float32", 64, 4, 3, 1).smem_bytes > 0
+    assert prefill_fp32[5] == geo.plan_prefill("float32", 64, 4, 3, 1, 2, 16).smem_bytes > 0

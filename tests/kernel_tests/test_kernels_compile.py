@@ -91,12 +91,10 @@ def test_gqa_tile(heads, kv_heads, tile):
 
 
 def test_decode_plan_short_contexts_do_not_split():
-    plan = geo.plan_decode("float16", [512] * 64, 32, 8, 128, 16, num_sms=132)
-    assert plan.num_partitions == 1 and plan.grid == (1, 8, 64) and plan.partition_size >= 512
+    plan = geo.plan_decode("float16", [256] * 64, 32, 8, 128, 16)
+    assert plan.num_partitions == 1 and plan.grid == (1, 8, 64) and plan.partition_size == 256
     assert plan.block == (128, 1, 1) and plan.gqa_tile == 4
     assert plan.smem_bytes == 4 * 4 * 2 * 4 * 32 * 16  # 4 warps x 4 stages x (K, V) x 8 tokens of 256 bytes
-    with pytest.raises(ValueError, match="partition_size"):
-        geo.plan_decode("float16", [512], 32, 8, 128, 16, num_sms=132, partition_size=40)
 
 
 def test_decode_smem_mirrors_kernel_layout():
@@ -108,21 +106,32 @@ def test_decode_smem_mirrors_kernel_layout():
     assert geo.decode_smem_bytes("bfloat16", 64, 16, 1) == 4 * 4 * 2 * 4 * 32 * 16
 
 
-@pytest.mark.parametrize("ctx", [[8192] * 64, [16384], [1, 16000, 7, 300, 4096], [2048] * 64])
+@pytest.mark.parametrize("ctx", [[8192] * 64, [16384], [1, 16000, 7, 300, 4096], [2048] * 64, [257]])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_plan_split(ctx, block_size):
-    plan = geo.plan_decode("bfloat16", ctx, 32, 8, 128, block_size, num_sms=132)
-    size = plan.partition_size
-    assert size % block_size == 0 and size >= geo.DECODE_MIN_PARTITION
-    assert plan.num_partitions == -(-max(ctx) // size) > 1
+    """The slots are the most fixed 256-key partitions any context reads, whatever the batch size."""
+    plan = geo.plan_decode("bfloat16", ctx, 32, 8, 128, block_size)
+    assert plan.partition_size == geo.DECODE_PARTITION == 256
+    assert plan.num_partitions == -(-max(ctx) // 256) > 1
     assert plan.grid == (plan.num_partitions, 8, len(ctx))
-    assert plan.merge_grid == (32, len(ctx), 1) and plan.merge_smem_bytes == 4 * plan.num_partitions
-    working = sum(-(-c // size) for c in ctx) * 8
-    assert working >= 4 * 132 or size == geo.DECODE_MIN_PARTITION  # enough blocks to fill the GPU
+    assert plan.merge_grid == (32, len(ctx), 1) and plan.merge_smem_bytes == 0
+
+
+def test_decode_partitions_sit_at_absolute_positions():
+    """Partition p holds keys [256 p, 256 p + 256): a decode reads those from its first key's to its last key's,
+    under a window too; the kernels' constant is the planner's."""
+    count = geo.decode_num_partitions
+    assert [count(c) for c in (0, 1, 256, 257, 512, 513)] == [0, 1, 1, 2, 2, 3]
+    assert count(600, 100) == 2 and count(600, 88) == 1 and count(513, 2) == 2 and count(1500, 700) == 3
+    assert "constexpr int kDecodePartition = 256;" in kernels.load_source("decode_attention.cu")
+    assert "kDecodePartition" in kernels.load_source("prefill_attention_fp32.cu")
+    for w in (1, 2, 255, 256, 257, 700):  # the fixed grid's window bound is reached and never exceeded
+        assert max(count(c, w) for c in range(1, 3000)) == geo.plan_decode_fixed("float32", 1, 3000, 4, 4, 64, 16,
+                                                                                  sliding_window=w).num_partitions
 
 
 def test_decode_plan_groups_larger_than_tile():
-    plan = geo.plan_decode("float32", [100, 200], 32, 2, 64, 16, num_sms=132)  # group 16 -> 2 tiles of 8
+    plan = geo.plan_decode("float32", [100, 200], 32, 2, 64, 16)  # group 16 -> 2 tiles of 8
     assert plan.gqa_tile == 8 and plan.grid[1] == 4
 
 
@@ -130,8 +139,10 @@ def test_prefill_geometry():
     g = geo.plan_prefill("float16", 128, 32, 3, 200)
     assert g.grid == (4, 32, 3) and g.block == (128, 1, 1) and g.smem_bytes == 2 * 128 * (64 + 128)
     assert geo.plan_prefill("bfloat16", 256, 8, 1, 1).smem_bytes == 2 * 256 * (64 + 64)
-    f = geo.plan_prefill("float32", 64, 4, 2, 33)
-    assert f.grid == (3, 4, 2) and f.smem_bytes == 4 * (16 * 64 + 32 * 65 + 32 * 64)
+    f = geo.plan_prefill("float32", 64, 4, 2, 33, 4, 16)  # GQA tile 1: 8 rows a block, the decode ring's smem
+    assert f.grid == (5, 4, 2) and f.smem_bytes == geo.decode_smem_bytes("float32", 64, 16, 1, 8) == 65536
+    f = geo.plan_prefill("float32", 256, 8, 1, 33, 2, 32)  # GQA tile 4 at head_dim 256: 1 row a block
+    assert f.grid == (33, 2, 1) and geo.prefill_fp32_rows(256, 4) == 1 and geo.prefill_fp32_rows(128, 2) == 4
 
 
 def test_row_geometry_and_vectors():

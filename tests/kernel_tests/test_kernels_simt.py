@@ -28,7 +28,7 @@ DECODE_CASES = [
     ([1, 31, 700], 8, 1),
     ([77, 160, 3], 9, 3),
     ([300, 31], 32, 2),
-    ([16384, 5000, 1], 8, 2),  # long contexts: the automatic plan splits 16k into 128 partitions
+    ([16384, 5000, 1], 8, 2),  # long contexts: 16k reads 64 partitions of 256 keys
 ]
 # Batch 256 (the GPU tests' largest), contexts 1..300, GQA 8: one config.
 BATCH_256 = ([random.Random(3).randint(1, 300) for _ in range(256)], 32, 4)
@@ -67,10 +67,11 @@ def test_decode_batch_256(sim):
 
 @pytest.mark.parametrize("dtype", kc.DTYPES, ids=str)
 def test_decode_split_k_partitions_agree(sim, dtype):
-    """Forced 32- and 128-token partitions (several partial results merged by log-sum-exp), the automatic plan
-    for 132 SMs (which splits the 1500-token context) and a single partition all equal the reference."""
-    auto = kc.check_decode_partitions(CPU, dtype, [1, 31, 32, 33, 1500, 600], 8, 2, 128, 16, (32, 128, None, 1504))
-    assert auto.num_partitions > 1
+    """Contexts of one partition and of several (256-key partitions at absolute positions, merged in order by
+    log-sum-exp) equal the reference; each sequence alone, and in a CUDA graph's wider fixed grid, is the same bits
+    as in the batch."""
+    plan = kc.check_decode_partitions(CPU, dtype, [1, 31, 256, 257, 1500, 600], 8, 2, 128, 16)
+    assert plan.num_partitions == 6 and plan.partition_size == geo.DECODE_PARTITION == 256
     launched = [name for name, *_ in sim.launches]
     assert any(name.startswith("paged_decode_merge_kernel") for name in launched)
 
@@ -93,10 +94,9 @@ def test_decode_sliding_window_matches_reference(sim, config, window):
 
 @pytest.mark.parametrize("window", [33, 700])
 def test_decode_sliding_window_split_k(sim, window):
-    """Forced partitions over a window's tokens (the first partition starts inside a block) and the automatic
-    plan, merged by log-sum-exp, equal the reference."""
-    kc.check_decode_partitions(CPU, torch.bfloat16, [1, 31, 32, 33, 1500, 600], 8, 2, 128, 16, (16, 32, None, 1504),
-                               window=window)
+    """A window's keys over the fixed partitions (the window's first key mid-partition, mid-block), merged in
+    order, equal the reference, alone and in the batch the same bits."""
+    kc.check_decode_partitions(CPU, torch.bfloat16, [1, 31, 32, 33, 1500, 600], 8, 2, 128, 16, window=window)
 
 
 @pytest.mark.parametrize("config,window", PREFILL_WINDOWS, ids=str)
@@ -116,10 +116,10 @@ SOFTCAP_SINKS = [(torch.float16, 1.0, False, None), (torch.bfloat16, None, True,
 @pytest.mark.parametrize("dtype,softcap,sinks,window", SOFTCAP_SINKS, ids=str)
 def test_decode_softcap_and_sinks_match_reference(sim, dtype, softcap, sinks, window):
     """Decodes with a soft-cap (each score c tanh(s / c)) and sink logits (one more denominator term per head):
-    one partition and forced split-K partitions (the merge kernel adds the sink), against the reference."""
+    one partition and several (the merge kernel adds the sink), against the reference."""
     kc.check_decode(CPU, dtype, 128, 16, DECODE_CASES[:3], window=window, softcap=softcap, sinks=sinks)
-    kc.check_decode_partitions(CPU, dtype, [1, 33, 1500, 600], 8, 2, 128, 16, (32, None), window=window,
-                               softcap=softcap, sinks=sinks)
+    kc.check_decode_partitions(CPU, dtype, [1, 33, 1500, 600], 8, 2, 128, 16, window=window, softcap=softcap,
+                               sinks=sinks)
 
 
 @pytest.mark.parametrize("dtype,softcap,sinks,window", SOFTCAP_SINKS, ids=str)
@@ -217,14 +217,15 @@ def test_planted_prefill_bug_is_caught(old, new):
 
 @pytest.mark.parametrize("old,new,check", [
     # decode: the window one key too wide
-    ("const int begin = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;",
-     "const int begin = sliding_window > 0 ? max(0, ctx - sliding_window - 1) : 0;", "decode"),
-    # decode merge: partitions counted from the context's start, not the window's read
-    ("const int read = ctx - window_read_start(ctx, sliding_window, block_size);", "const int read = 1;", "split"),
+    ("return sliding_window > 0 ? max(0, end - sliding_window) : 0;",
+     "return sliding_window > 0 ? max(0, end - sliding_window - 1) : 0;", "decode"),
+    # decode merge: partitions counted from the context's start, not the window's first key
+    ("return first_key(ctx, sliding_window) / kDecodePartition;", "return 0;", "split"),
     # prefill (tensor cores): the window one key too wide
     ("key <= pos - sliding_window))", "key < pos - sliding_window))", "prefill"),
     # prefill (fp32): the window one key too narrow
-    ("key > pos - sliding_window)", "key > pos - sliding_window + 1)", "prefill32"),
+    ("begin[r] = valid ? first_key(end[r], sliding_window) : 0;",
+     "begin[r] = valid ? first_key(end[r], sliding_window) + 1 : 0;", "prefill32"),
 ], ids=["decode-window", "merge-window", "prefill-window", "prefill32-window"])
 def test_planted_sliding_window_bug_is_caught(old, new, check):
     with Simulator(transform=planted(old, new)).install():
@@ -232,7 +233,7 @@ def test_planted_sliding_window_bug_is_caught(old, new, check):
             if check == "decode":
                 kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3], window=100)
             elif check == "split":
-                kc.check_decode_partitions(CPU, torch.float16, [1500, 600], 8, 2, 128, 16, (32,), window=700)
+                kc.check_decode_partitions(CPU, torch.float16, [1500, 600], 8, 2, 128, 16, window=700)
             else:
                 dtype = torch.bfloat16 if check == "prefill" else torch.float32
                 kc.check_prefill(CPU, dtype, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1),
@@ -242,12 +243,12 @@ def test_planted_sliding_window_bug_is_caught(old, new, check):
 @pytest.mark.parametrize("old,new,check", [
     # decode: the soft-cap dropped
     ("if (softcap_log2 > 0.f) dot = softcap_log2 * tanhf(dot / softcap_log2);", "", "decode-cap"),
-    # decode merge: the sink's term left out of the denominator
-    ("float total = sinks_log2 != nullptr ? exp2f(sink - gmax) : 0.f;", "float total = 0.f;", "merge-sink"),
+    # the sink's term left out of the denominator (decode, its merge and the fp32 prefill: finish_state)
+    ("run.l = fmaf(run.l, w, exp2f(sink - mx));", "run.l = run.l * w;", "merge-sink"),
     # prefill (tensor cores): the sink's term left out
     ("l_run0 = l_run0 * w0 + exp2f(sink - mx0);", "l_run0 = l_run0 * w0;", "prefill-sink"),
-    # prefill (fp32): the soft-cap dropped
-    ("sc[r] = softcap_log2 * tanhf(sc[r] / softcap_log2);", "sc[r] = sc[r];", "prefill32-cap"),
+    # prefill (fp32): the soft-cap dropped (attend_chunk, which it shares with decode)
+    ("if (softcap_log2 > 0.f) dot = softcap_log2 * tanhf(dot / softcap_log2);", "", "prefill32-cap"),
 ], ids=["decode-softcap", "merge-sink", "prefill-sink", "prefill32-softcap"])
 def test_planted_softcap_and_sink_bugs_are_caught(old, new, check):
     with Simulator(transform=planted(old, new)).install():
@@ -255,7 +256,7 @@ def test_planted_softcap_and_sink_bugs_are_caught(old, new, check):
             if check == "decode-cap":
                 kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3], softcap=1.0)
             elif check == "merge-sink":
-                kc.check_decode_partitions(CPU, torch.float16, [1500, 600], 8, 2, 128, 16, (32,), sinks=True)
+                kc.check_decode_partitions(CPU, torch.float16, [1500, 600], 8, 2, 128, 16, sinks=True)
             else:
                 dtype = torch.bfloat16 if check == "prefill-sink" else torch.float32
                 kc.check_prefill(CPU, dtype, 64, 16, prefix=[0, 20], new=[40, 9], decode_ctx=(), heads_kv=(2, 1),
@@ -265,8 +266,8 @@ def test_planted_softcap_and_sink_bugs_are_caught(old, new, check):
 def test_planted_out_of_bounds_read_is_caught():
     """The decode kernel reads block-table entries for chunks past the context end (it must not): for the last
     sequence that runs past the table tensor, and the emulator stops the launch."""
-    bug = planted("return chunk < end ? __ldg(table + chunk / BLOCK_SIZE) : 0;",
-                  "return __ldg(table + chunk / BLOCK_SIZE);")
+    bug = planted("return chunk < hi ? __ldg(table + chunk / L::kBlockSize) : 0;",
+                  "return __ldg(table + chunk / L::kBlockSize);")
     with Simulator(transform=bug).install():
         with pytest.raises(SimtError, match="outside every tensor argument"):
             kc.check_decode(CPU, torch.float16, 128, 16, DECODE_CASES[2:3])
@@ -278,14 +279,14 @@ def test_decode_traps_on_too_little_shared_memory():
     would report first otherwise.)"""
     sim = Simulator(seed=0)
     dtype, ctx = "float16", [40]
-    plan = geo.plan_decode(dtype, ctx, 4, 4, 128, 16, num_sms=132)
+    plan = geo.plan_decode(dtype, ctx, 4, 4, 128, 16)
     q = torch.zeros(1, 4, 128, dtype=torch.float16)
     cache = torch.zeros(4, 16, 4, 128, dtype=torch.float16)
     table, lens = torch.zeros(1, 3, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
     ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
     args = (ptr(q), np.uint64(0), np.uint64(0), np.uint64(0), ptr(q), ptr(cache), ptr(cache), ptr(table), ptr(lens),
-            np.int64(512), np.int64(512), np.int32(3), np.int32(4), np.int32(4), np.int32(plan.partition_size),
-            np.float32(1.0), np.int32(0), np.float32(0.0), np.uint64(0))
+            np.int64(512), np.int64(512), np.int32(3), np.int32(4), np.int32(4), np.float32(1.0), np.int32(0),
+            np.float32(0.0), np.uint64(0))
     name = geo.decode_kernel_name(dtype, 128, 16, plan.gqa_tile)
     key = ModuleKey("decode", dtype, 128, 16, "simt")
     sim.launch(key, name, CPU, plan.grid, plan.block, args, plan.smem_bytes)  # the right size runs

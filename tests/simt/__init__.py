@@ -184,7 +184,7 @@ class Simulator:
 
     Args:
         workers: OS threads that run blocks in parallel (default: the CPU count).
-        num_sms: the SM count the split-K planner is told (132, an H100/H200, by default).
+        num_sms: the SM count the runtime reports (132, an H100/H200, by default; no launch plan depends on it).
         transform: applied to each kernel source before compiling (tests use it to plant a bug).
         seed: the order a block's threads run in between barriers: 0 thread order, else pseudo-random per pass
             (the default, so a result that depends on a missing barrier does not pass by luck of the order).

@@ -7,7 +7,10 @@ the new tokens); a layer's sliding window, soft-cap (Gemma 2) and attention sink
 decode launch plan depends only on the step's metadata and the window, so it is computed once per step and window
 and reused by every layer of that window. Under CUDA graph capture (``meta.fixed_context_capacity`` set) the decode plan is the
 fixed grid of :func:`pagedserve.kernels.geometry.plan_decode_fixed`, which depends only on the batch size and the
-capacity, so a replay with other context lengths launches the same geometry.
+capacity, so a replay with other context lengths launches the same geometry. Neither plan changes a value: the
+decode kernel's split-K partitions are 256 keys at absolute positions, so a sequence's attention output is the same
+bits whatever its batch-mates, the plan or the graph (cuda/decode_attention.cu; the linears, torch's cuBLAS, are not
+batch-invariant).
 """
 from __future__ import annotations
 
@@ -39,13 +42,13 @@ class CudaAttentionBackend(AttentionBackend):
             self._plans, self._plan_meta = {}, step
         shape = (dtype, num_heads, num_kv_heads, head_dim, block_size, device.index, window)
         if shape not in self._plans:
-            nd, name, sms = meta.num_decode_seqs, geo.dtype_name(dtype, "query"), kernels.num_sms(device.index)
+            nd, name = meta.num_decode_seqs, geo.dtype_name(dtype, "query")
             if meta.fixed_context_capacity is not None:  # CUDA graph capture: geometry from the capacity only
                 self._plans[shape] = geo.plan_decode_fixed(name, nd, meta.fixed_context_capacity, num_heads,
-                                                           num_kv_heads, head_dim, block_size, sms, window)
+                                                           num_kv_heads, head_dim, block_size, window)
             else:
                 self._plans[shape] = geo.plan_decode(name, meta.context_lens_cpu[:nd], num_heads, num_kv_heads,
-                                                     head_dim, block_size, sms, sliding_window=window)
+                                                     head_dim, block_size, sliding_window=window)
         return self._plans[shape]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

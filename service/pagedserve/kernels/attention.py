@@ -18,16 +18,18 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
                            sliding_window: int | None = None, softcap: float | None = None,
                            sinks: torch.Tensor | None = None) -> None:
     """Decode attention: each of ``S = query.shape[0]`` sequences has one new token attending to its whole
-    context through its block table, or to its last ``sliding_window`` tokens (GQA-tiled, split-K with a
-    log-sum-exp merge for long contexts).
+    context through its block table, or to its last ``sliding_window`` tokens (GQA-tiled, split-K over fixed
+    256-key partitions at absolute positions with an in-order log-sum-exp merge, so a sequence's output does not
+    depend on the other sequences, the plan or the device: cuda/decode_attention.cu).
 
     Args:
         out: ``[S, num_heads, head_dim]``, written. query: ``[S, num_heads, head_dim]``, rows 16-byte aligned.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, query's dtype.
         block_tables: ``[>= S, max_blocks]`` int32. context_lens: ``[>= S]`` int32 (the first S are used).
-        scale: softmax scale. context_lens_cpu: host copy of the S context lengths (for the split plan), or
-        ``plan`` from :func:`pagedserve.kernels.geometry.plan_decode` (reusable across a step's layers of the same
-        window). sliding_window: None, or the keys each query sees counting its own.
+        scale: softmax scale. context_lens_cpu: host copy of the S context lengths (for the grid's partition
+        slots), or ``plan`` from :func:`pagedserve.kernels.geometry.plan_decode` / ``plan_decode_fixed`` (reusable
+        across a step's layers of the same window; its slots must cover every sequence's partitions).
+        sliding_window: None, or the keys each query sees counting its own.
         softcap: None, or Gemma 2's soft-cap of the scores. sinks: None, or ``[num_heads]`` gpt-oss sink logits
         (:meth:`pagedserve.attention.base.AttentionBackend.forward`).
 
@@ -55,7 +57,7 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
     num_heads = query.shape[1]
     if plan is None:
         plan = plan_decode(dtype, context_lens_cpu, num_heads, num_kv_heads, head_dim, block_size,
-                           rt.num_sms(device.index), sliding_window=window)
+                           sliding_window=window)
     if plan.sliding_window != window:
         raise ValueError(f"plan: made for sliding_window {plan.sliding_window}, the call has {window}")
     expected_smem = geo.decode_smem_bytes(dtype, head_dim, block_size, plan.gqa_tile)
@@ -72,13 +74,13 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torc
     key = module_key(rt, device, "decode", dtype, head_dim, block_size)
     args = (ptr(out), *part_ptrs, ptr(query), ptr(k_cache), ptr(v_cache), ptr(block_tables),
             ptr(context_lens), np.int64(out.stride(0)), np.int64(query.stride(0)), np.int32(block_tables.stride(0)),
-            np.int32(num_heads), np.int32(num_kv_heads), np.int32(plan.partition_size), np.float32(scale_log2),
-            np.int32(window), np.float32(cap_log2), sinks_ptr)
+            np.int32(num_heads), np.int32(num_kv_heads), np.float32(scale_log2), np.int32(window),
+            np.float32(cap_log2), sinks_ptr)
     rt.launch(key, geo.decode_kernel_name(dtype, head_dim, block_size, plan.gqa_tile), device, plan.grid,
               plan.block, args, plan.smem_bytes)
     if parts > 1:
         merge_args = (ptr(out), *part_ptrs, ptr(context_lens), np.int64(out.stride(0)), np.int32(parts),
-                      np.int32(plan.partition_size), np.int32(window), np.int32(block_size), sinks_ptr)
+                      np.int32(window), sinks_ptr)
         rt.launch(key, geo.decode_merge_kernel_name(dtype, head_dim), device, plan.merge_grid, plan.merge_block,
                   merge_args, plan.merge_smem_bytes)
 
@@ -89,8 +91,10 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
                             sliding_window: int | None = None, softcap: float | None = None,
                             sinks: torch.Tensor | None = None) -> None:
     """Causal attention of the new tokens of sequences ``seq_offset .. seq_offset + num_prefill_seqs - 1`` over
-    their cached prefix and themselves (tensor cores for fp16/bf16, a scalar kernel for fp32); under a
-    ``sliding_window`` W a token at position p sees keys p - W + 1 .. p only.
+    their cached prefix and themselves (tensor cores for fp16/bf16; for fp32 the decode kernel's partitions and
+    arithmetic, so an fp32 prefill row equals the decode of its position bit for bit); under a ``sliding_window``
+    W a token at position p sees keys p - W + 1 .. p only. Either way a row's output depends on its query, its
+    position and the keys, not on the chunk it came in or the other sequences.
 
     Args:
         out, query: ``[T, num_heads, head_dim]`` over the step's flattened tokens; only the prefill rows of
@@ -120,10 +124,11 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: tor
     if num_prefill_seqs <= 0 or max_query_len <= 0:
         return
     num_heads = query.shape[1]
-    g = geo.plan_prefill(dtype, head_dim, num_heads, num_prefill_seqs, max_query_len)
+    g = geo.plan_prefill(dtype, head_dim, num_heads, num_prefill_seqs, max_query_len, num_kv_heads, block_size)
     args = (ptr(out), ptr(query), ptr(k_cache), ptr(v_cache), ptr(block_tables), ptr(context_lens),
             ptr(query_start_loc), np.int64(out.stride(0)), np.int64(query.stride(0)), np.int32(block_tables.stride(0)),
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(seq_offset), np.float32(scale_log2),
             np.int32(window), np.float32(cap_log2), np.uint64(0) if sinks_log2 is None else ptr(sinks_log2))
     key = module_key(rt, device, "prefill", dtype, head_dim, block_size)
-    rt.launch(key, geo.prefill_kernel_name(dtype, head_dim, block_size), device, g.grid, g.block, args, g.smem_bytes)
+    name = geo.prefill_kernel_name(dtype, head_dim, block_size, geo.decode_gqa_tile(num_heads, num_kv_heads))
+    rt.launch(key, name, device, g.grid, g.block, args, g.smem_bytes)

@@ -54,6 +54,8 @@ class ModuleKey:
             return (tuple(geo.decode_kernel_name(d, hd, bs, t) for t in geo.DECODE_GQA_TILES)
                     + (geo.decode_merge_kernel_name(d, hd),))
         if self.family == "prefill":
+            if d == "float32":  # the decode kernel's partitions, so its GQA tiles
+                return tuple(geo.prefill_kernel_name(d, hd, bs, t) for t in geo.DECODE_GQA_TILES)
             return (geo.prefill_kernel_name(d, hd, bs),)
         if self.family == "elementwise":
             vecs = sorted({geo.vec_elems(d), 1})

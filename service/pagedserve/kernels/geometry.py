@@ -3,10 +3,14 @@
 Nothing here touches CUDA, so every function is unit-testable on a CPU-only machine. The constants mirror the
 kernels' template parameters; :mod:`pagedserve.kernels.build` builds NVRTC name expressions from them and the
 launchers launch with the geometry computed here (argument checks: :mod:`pagedserve.kernels.checks`).
+
+A plan here sets how much work a launch holds, never a row's value: the decode kernel's split-K partitions are
+:data:`DECODE_PARTITION` keys at absolute positions whatever the batch, the SM count or a CUDA graph's capacity (the
+plans only size the grid to cover them), and the prefill tiles sit at absolute key positions too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -20,10 +24,8 @@ COPY_UNITS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}  # bytes -> C
 DECODE_NUM_WARPS = 4
 DECODE_STAGES = 4               # cp.async ring depth per warp
 DECODE_GQA_TILES = (1, 2, 4, 8)
-DECODE_MIN_PARTITION = 128      # tokens; split-K partitions never get smaller than this
-DECODE_BASE_PARTITION = 512     # tokens; the starting partition size once a context needs splitting
+DECODE_PARTITION = 256          # tokens per split-K partition, at absolute key positions (kDecodePartition)
 PREFILL_NUM_WARPS = 4           # the mma kernel: 16 query rows per warp
-PREFILL_FP32_BLOCK_M, PREFILL_FP32_BLOCK_N, PREFILL_FP32_THREADS = 16, 32, 128
 
 
 def dtype_name(dtype: torch.dtype, arg: str = "dtype") -> str:
@@ -51,9 +53,11 @@ def prefill_block_n(head_dim: int) -> int:
     return 32 if head_dim > 128 else 64
 
 
-def prefill_kernel_name(dtype: str, head_dim: int, block_size: int) -> str:
+def prefill_kernel_name(dtype: str, head_dim: int, block_size: int, gqa_tile: int = 1) -> str:
+    """The prefill instantiation; ``gqa_tile`` (:func:`decode_gqa_tile`) matters for float32 only, whose kernel runs
+    the decode kernel's partitions with the decode kernel's GQA tile."""
     if dtype == "float32":
-        return f"paged_prefill_fp32_kernel<{head_dim}, {block_size}>"
+        return f"paged_prefill_fp32_kernel<{head_dim}, {block_size}, {gqa_tile}>"
     return (f"paged_prefill_kernel<{CTYPES[dtype]}, {head_dim}, {block_size}, {PREFILL_NUM_WARPS}, "
             f"{prefill_block_n(head_dim)}>")
 
@@ -103,115 +107,109 @@ def decode_gqa_tile(num_heads: int, num_kv_heads: int) -> int:
     return next((t for t in DECODE_GQA_TILES if t >= group), DECODE_GQA_TILES[-1])
 
 
-def decode_partition_size(context_lens: list[int], kv_programs: int, num_sms: int, block_size: int) -> int:
-    """Tokens per split-K partition for one decode batch.
-
-    Contexts up to 512 tokens are not split. Longer ones start at 512-token partitions; the size halves (down
-    to 128) while the grid would give fewer than 4 working blocks per SM, and doubles while it would still give
-    at least 32 (fewer partial results to merge). ``kv_programs`` is blocks per sequence per partition
-    (num_kv_heads * head tiles). Returns a multiple of ``block_size``; a value >= max(context_lens) means one
-    partition (no merge).
-    """
-    max_ctx = max(context_lens, default=0)
-    single = max(block_size, cdiv(max_ctx, block_size) * block_size)
-    if max_ctx <= DECODE_BASE_PARTITION:
-        return single
-
-    def working_blocks(size: int) -> int:
-        return sum(cdiv(c, size) for c in context_lens) * kv_programs
-
-    size = DECODE_BASE_PARTITION
-    while size > max(DECODE_MIN_PARTITION, block_size) and working_blocks(size) < 4 * num_sms:
-        size //= 2
-    while size * 2 < max_ctx and working_blocks(size * 2) >= 32 * num_sms:
-        size *= 2
-    return single if size >= max_ctx else size
+def decode_num_partitions(context_len: int, sliding_window: int = 0) -> int:
+    """Split-K partitions a decode of context ``context_len`` reads: those of :data:`DECODE_PARTITION` keys at
+    absolute positions (partition p holds keys ``[p * 256, p * 256 + 256)``) from the one holding its first key
+    (0, or ``context_len - W`` under a sliding window ``W > 0``) to the one holding its last; 0 for an empty context.
+    The kernel's ``num_partitions`` (cuda/decode_attention.cu)."""
+    if context_len <= 0:
+        return 0
+    first = max(0, context_len - sliding_window) if sliding_window > 0 else 0
+    return (context_len - 1) // DECODE_PARTITION - first // DECODE_PARTITION + 1
 
 
-def decode_smem_bytes(dtype: str, head_dim: int, block_size: int, gqa_tile: int) -> int:
-    """Dynamic shared memory of paged_decode_kernel: mirrors DecodeLayout::kSmemBytes in cuda/decode_attention.cu
-    (each warp's cp.async ring of K/V chunks, reused for the cross-warp merge). The kernel traps if given less."""
+def decode_smem_bytes(dtype: str, head_dim: int, block_size: int, gqa_tile: int, rows: int = 1) -> int:
+    """Dynamic shared memory of paged_decode_kernel (``rows`` 1): mirrors DecodeLayout::kSmemBytes in
+    cuda/decode_chunk.cuh (each warp's cp.async ring of K/V chunks, reused for the cross-warp merge), and of
+    attend_partition for ``rows`` query rows (PartitionSmem, cuda/decode_partition.cuh). The kernels trap if
+    given less."""
     row_vecs = head_dim // vec_elems(dtype)
     lanes_per_row = min(32, row_vecs)
     vecs_per_lane = row_vecs // lanes_per_row
     steps = min(4 // vecs_per_lane, 16 // gqa_tile, block_size // (32 // lanes_per_row))
     ring = DECODE_NUM_WARPS * DECODE_STAGES * 2 * steps * vecs_per_lane * 32 * 16
-    merge = 4 * (DECODE_NUM_WARPS * gqa_tile * head_dim + 2 * DECODE_NUM_WARPS * gqa_tile)
+    merge = 4 * (DECODE_NUM_WARPS * rows * gqa_tile * head_dim + 2 * DECODE_NUM_WARPS * rows * gqa_tile)
     return max(ring, merge)
+
+
+def prefill_fp32_rows(head_dim: int, gqa_tile: int) -> int:
+    """Query rows per block of paged_prefill_fp32_kernel (PrefillFp32Rows, cuda/prefill_attention_fp32.cu): 8 (head
+    dims 64 and 128) or 4 (256) row-heads over the GQA tile, at least 1."""
+    elems = 4 if head_dim <= 128 else 8   # row elements per lane of the decode layout in float32
+    return max(1, (32 // elems) // gqa_tile)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
-    """Launch geometry of one decode batch (shared by every layer of a step)."""
+    """Launch geometry of one decode batch (shared by every layer of a step). It sets how many blocks run, never
+    what a sequence's output is: the partitions are :data:`DECODE_PARTITION` keys at absolute positions whatever
+    the plan (cuda/decode_attention.cu)."""
 
     gqa_tile: int                 # query heads per block (template parameter)
-    partition_size: int           # tokens per partition
-    num_partitions: int           # grid.x; 1 means no merge kernel
-    grid: tuple[int, int, int]    # (partitions, num_kv_heads * head tiles, num_seqs)
+    partition_size: int           # tokens per partition: DECODE_PARTITION, for information
+    num_partitions: int           # grid.x: partition slots per sequence (>= every sequence's partitions)
+    grid: tuple[int, int, int]    # (slots, num_kv_heads * head tiles, num_seqs)
     block: tuple[int, int, int]
     smem_bytes: int               # dynamic shared memory of the decode kernel
     merge_grid: tuple[int, int, int]
     merge_block: tuple[int, int, int]
-    merge_smem_bytes: int
+    merge_smem_bytes: int         # 0: the merge kernel keeps its state in registers
     sliding_window: int = 0       # the window it was planned for (0: none); the launch must pass the same
 
 
 def window_read_len(context_len: int, sliding_window: int, block_size: int) -> int:
-    """Tokens paged_decode_kernel reads for a context of ``context_len`` tokens: all of them, or under a sliding
-    window ``W > 0`` those from the window's first token ``context_len - W`` rounded down to its cache block (the
-    kernel's ``window_read_start``, cuda/decode_chunk.cuh); at most ``W + block_size - 1``."""
+    """Tokens at the end of a context of ``context_len`` tokens that paged_decode_kernel may read: all of them, or
+    under a sliding window ``W > 0`` those from the window's first token ``context_len - W`` rounded down to its
+    cache block (the kernel reads from the chunk holding that token, which lies inside that block); at most
+    ``W + block_size - 1``. The blocks before it are never read (nor their block-table entries)."""
     if sliding_window <= 0 or context_len <= sliding_window:
         return context_len
     first = context_len - sliding_window
     return context_len - (first - first % block_size)
 
 
-def plan_decode(dtype: str, context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                block_size: int, num_sms: int, partition_size: int | None = None,
-                sliding_window: int = 0) -> DecodePlan:
-    """Geometry of paged_decode_kernel (+ merge) for ``len(context_lens)`` sequences, under ``sliding_window``
-    (0: none; the partitions then cover only :func:`window_read_len` tokens of each context). ``partition_size``
-    (a multiple of ``block_size``) overrides :func:`decode_partition_size`."""
-    context_lens = [window_read_len(c, sliding_window, block_size) for c in context_lens]
+def _decode_plan(dtype: str, slots: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, sliding_window: int) -> DecodePlan:
     tile = decode_gqa_tile(num_heads, num_kv_heads)
     kv_programs = num_kv_heads * cdiv(num_heads // num_kv_heads, tile)
-    size = partition_size or decode_partition_size(context_lens, kv_programs, num_sms, block_size)
-    if size % block_size:
-        raise ValueError(f"partition_size: {size} is not a multiple of block_size {block_size}")
-    parts = max(1, cdiv(max(context_lens, default=0), size))
-    num_seqs = len(context_lens)
-    return DecodePlan(gqa_tile=tile, partition_size=size, num_partitions=parts,
-                      grid=(parts, kv_programs, num_seqs), block=(DECODE_NUM_WARPS * 32, 1, 1),
+    return DecodePlan(gqa_tile=tile, partition_size=DECODE_PARTITION, num_partitions=slots,
+                      grid=(slots, kv_programs, num_seqs), block=(DECODE_NUM_WARPS * 32, 1, 1),
                       smem_bytes=decode_smem_bytes(dtype, head_dim, block_size, tile),
                       merge_grid=(num_heads, num_seqs, 1), merge_block=(min(head_dim, 256), 1, 1),
-                      merge_smem_bytes=4 * parts, sliding_window=sliding_window)
+                      merge_smem_bytes=0, sliding_window=sliding_window)
+
+
+def plan_decode(dtype: str, context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int, sliding_window: int = 0) -> DecodePlan:
+    """Geometry of paged_decode_kernel (+ merge) for ``len(context_lens)`` sequences under ``sliding_window`` (0:
+    none): as many partition slots per sequence as the one reading the most partitions needs
+    (:func:`decode_num_partitions`), at least 1; the merge kernel runs when that is more than 1. The slots a
+    sequence does not need exit at once, so the plan changes the work launched, not any sequence's output."""
+    slots = max([1, *(decode_num_partitions(c, sliding_window) for c in context_lens)])
+    return _decode_plan(dtype, slots, len(context_lens), num_heads, num_kv_heads, head_dim, block_size,
+                        sliding_window)
 
 
 def plan_decode_fixed(dtype: str, num_seqs: int, max_context_len: int, num_heads: int, num_kv_heads: int,
-                      head_dim: int, block_size: int, num_sms: int, sliding_window: int = 0) -> DecodePlan:
+                      head_dim: int, block_size: int, sliding_window: int = 0) -> DecodePlan:
     """Fixed-grid decode geometry for CUDA graphs: it depends only on the batch size and the context capacity
     ``max_context_len`` (tokens, >= every context length a replay may see, e.g. max_model_len rounded up to whole
     blocks), never on a step's host-side context lengths, so one captured launch serves every replay.
 
-    The partition size is :func:`decode_partition_size` for ``num_seqs`` contexts all at capacity (the largest
-    grid any step can need); the grid holds ``ceil(max_context_len / partition_size)`` partitions per sequence.
-    At replay the kernel reads ``context_lens`` on the device: partitions that start past a sequence's context
-    exit at once, the merge kernel combines only the partitions that hold tokens, and a sequence of context 0
-    (a padded row) gets zeros. Under a ``sliding_window`` the capacity is what a window's read can reach
-    (``min(max_context_len, W + block_size - 1)``, :func:`window_read_len`). Raises ValueError for ``num_seqs < 1``
-    or ``max_context_len < 1``.
+    The grid holds the most partitions a context up to the capacity can read: ``ceil(max_context_len / 256)``, and
+    under a ``sliding_window`` W at most ``ceil((W - 1) / 256) + 1`` (a window's keys straddle partition
+    boundaries). At replay the kernel reads ``context_lens`` on the device: slots past a sequence's last partition
+    exit at once, the merge kernel combines only the partitions that hold keys, and a sequence of context 0 (a padded
+    row) gets zeros. The partitions themselves are the fixed ones, so a replayed sequence's output is the same bits
+    as an eager launch's, whatever the capacity. Raises ValueError for ``num_seqs < 1`` or ``max_context_len < 1``.
     """
     if num_seqs < 1 or max_context_len < 1:
         raise ValueError(f"plan_decode_fixed: need num_seqs >= 1 and max_context_len >= 1, got {num_seqs}, "
                          f"{max_context_len}")
+    slots = cdiv(max_context_len, DECODE_PARTITION)
     if sliding_window > 0:
-        max_context_len = min(max_context_len, sliding_window + block_size - 1)
-    tile = decode_gqa_tile(num_heads, num_kv_heads)
-    kv_programs = num_kv_heads * cdiv(num_heads // num_kv_heads, tile)
-    size = decode_partition_size([max_context_len] * num_seqs, kv_programs, num_sms, block_size)
-    plan = plan_decode(dtype, [max_context_len] * num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_sms,
-                       partition_size=size)
-    return replace(plan, sliding_window=sliding_window)
+        slots = min(slots, cdiv(sliding_window - 1, DECODE_PARTITION) + 1)
+    return _decode_plan(dtype, slots, num_seqs, num_heads, num_kv_heads, head_dim, block_size, sliding_window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,16 +219,20 @@ class LaunchGeometry:
     smem_bytes: int
 
 
-def plan_prefill(dtype: str, head_dim: int, num_heads: int, num_prefill_seqs: int,
-                 max_query_len: int) -> LaunchGeometry:
-    """Geometry of the prefill kernel: (m-tiles, heads, sequences) blocks and its dynamic shared memory."""
+def plan_prefill(dtype: str, head_dim: int, num_heads: int, num_prefill_seqs: int, max_query_len: int,
+                 num_kv_heads: int | None = None, block_size: int = 16) -> LaunchGeometry:
+    """Geometry of the prefill kernel: (m-tiles, heads, sequences) blocks and its dynamic shared memory. float32
+    (paged_prefill_fp32_kernel, the decode kernel's partitions): (row tiles of :func:`prefill_fp32_rows`, KV heads
+    times head tiles, sequences); it needs ``num_kv_heads`` (default: ``num_heads``) and ``block_size``."""
     if dtype == "float32":
-        block_m, threads = PREFILL_FP32_BLOCK_M, PREFILL_FP32_THREADS
-        n = PREFILL_FP32_BLOCK_N
-        smem = 4 * (block_m * head_dim + n * (head_dim + 1) + n * head_dim)
-    else:
-        block_m, threads = 16 * PREFILL_NUM_WARPS, 32 * PREFILL_NUM_WARPS
-        smem = ELEM_BYTES[dtype] * head_dim * (block_m + 2 * prefill_block_n(head_dim))
+        kv_heads = num_kv_heads or num_heads
+        tile = decode_gqa_tile(num_heads, kv_heads)
+        rows = prefill_fp32_rows(head_dim, tile)
+        return LaunchGeometry(grid=(max(1, cdiv(max_query_len, rows)), kv_heads * cdiv(num_heads // kv_heads, tile),
+                                    num_prefill_seqs), block=(DECODE_NUM_WARPS * 32, 1, 1),
+                              smem_bytes=decode_smem_bytes(dtype, head_dim, block_size, tile, rows))
+    block_m, threads = 16 * PREFILL_NUM_WARPS, 32 * PREFILL_NUM_WARPS
+    smem = ELEM_BYTES[dtype] * head_dim * (block_m + 2 * prefill_block_n(head_dim))
     return LaunchGeometry(grid=(max(1, cdiv(max_query_len, block_m)), num_heads, num_prefill_seqs),
                           block=(threads, 1, 1), smem_bytes=smem)
 

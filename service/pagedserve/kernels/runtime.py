@@ -3,7 +3,7 @@ how to install another.
 
 The launchers (:mod:`pagedserve.kernels.attention`, ``cache_ops``, ``elementwise``) check their arguments, plan the
 launch and then ask the current runtime for everything device-specific: which device the tensors are on, the SM
-count the split-K planner needs, the architecture a module is compiled for, the pointer passed for a tensor, and the
+count (reported; no plan uses it), the architecture a module is compiled for, the pointer passed for a tensor, and the
 launch itself. The host emulator in tests/simt implements the same interface for CPU tensors, so the launchers run
 unchanged on it::
 
@@ -36,7 +36,8 @@ class KernelRuntime(Protocol):
         ValueError naming the first offender."""
 
     def num_sms(self, index: int | None) -> int:
-        """Streaming multiprocessors of device ``index`` (the split-K planner sizes partitions by it)."""
+        """Streaming multiprocessors of device ``index`` (for information: no plan depends on it, since the decode
+        kernel's split-K partitions are fixed)."""
 
     def device_arch(self, index: int | None) -> str:
         """The architecture modules are built for on device ``index`` (``"sm_90"``; :attr:`ModuleKey.arch`)."""
