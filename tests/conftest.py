@@ -86,11 +86,11 @@ def hf_llm(smollm_source):
     return model.eval()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_llm_f64(hf_llm):
     """:func:`hf_llm` in float64: the oracle for logit tolerances. Our fp32 forward and HF's own fp32 forward differ
     from it by their float32 rounding (measured on the e2e prompt: ours 6.0e-5, HF fp32 9.3e-5, 1.1e-4 apart: the
-    own kernels sum in a fixed order of their own, for batch invariance, not MKL's)."""
+    own kernels sum in a fixed order of their own, for batch invariance, not MKL's). Per module: 1 GB."""
     import copy
 
     return copy.deepcopy(hf_llm).double().eval()
