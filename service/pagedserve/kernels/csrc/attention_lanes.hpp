@@ -107,6 +107,31 @@ inline void pv_slab(const float* p, const float* const* rows, int64_t n, int64_t
     for (int v = 0; v < NV; ++v) VT::store(o + ((d0 + i) * NV + v) * W, acc[i][v]);
 }
 
+// pv_slab's values for a tile of one vector of lanes computed with the head dimension in the lanes instead (a decode
+// tile uses few of its lanes): per lane l and d, the same fma chain over the keys in order, fma(p_j, v_j[d], acc)
+// from 0, so the same bits; written to o[d * W + l] as pv_slab does. D a multiple of 8; 8 floats per step.
+inline void pv_by_dim(const float* p, const float* const* rows, int64_t n, int64_t D, int64_t lanes, float* o) {
+  alignas(64) float col[8];
+  for (int64_t l = 0; l < lanes; ++l)
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {   // up to 8 vectors of 8 dimensions in registers
+      const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j * W + l]);
+        const float* r = rows[j] + d0;
+        for (int i = 0; i < 8; ++i)
+          if (i < nv) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8 * i), acc[i]);
+      }
+      for (int64_t i = 0; i < nv; ++i) {
+        _mm256_storeu_ps(col, acc[i]);
+        for (int k = 0; k < 8; ++k) o[(d0 + 8 * i + k) * W + l] = col[k];
+      }
+    }
+  for (int64_t d = 0; d < D; ++d)   // lanes past the tile's: zeros, as pv_slab leaves them (their p are 0)
+    for (int64_t l = lanes; l < W; ++l) o[d * W + l] = 0.0f;
+}
+
 // Per-thread buffers for one tile's split.
 struct Scratch {
   std::vector<float> qt, sc, kbuf, vbuf;
@@ -147,6 +172,10 @@ void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, flo
     VT::store(l + v * W, sum);
   }
   key_rows(a, a.v, t, j0, j1, w.vbuf.data(), w.vrows.data());
+  if (NV == 1 && t.lanes * 2 <= W) {   // a decode tile: half of the lanes or fewer in use
+    pv_by_dim(sc, w.vrows.data(), n, a.D, t.lanes, o);
+    return;
+  }
   constexpr int kSlab = VT::kSlab / NV;
   int64_t d0 = 0;
   for (; d0 + kSlab <= a.D; d0 += kSlab) pv_slab<kSlab, NV>(sc, w.vrows.data(), n, d0, o);
