@@ -319,8 +319,8 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend: :func:`reshape_and_cache` then :func:`paged_attention_ref`. Runs on CPU or GPU."""
 
     name = "torch"
-    #: None, or the dtype float32 prefill rows are rounded to for SDPA (:func:`paged_attention_ref`); the cpu
-    #: backend sets bfloat16 where :func:`pagedserve.attention.cpu.use_bf16_prefill_attention` says so.
+    #: None, or the dtype float32 prefill rows are rounded to for SDPA (:func:`paged_attention_ref`); only
+    #: bench/prefill.py's baseline sets it (bfloat16) now: the cpu backend runs its own float32 kernel.
     prefill_dtype: torch.dtype | None = None
 
     def __init__(self) -> None:
