@@ -1,7 +1,6 @@
 """Builds a ready :class:`LLMEngine` from an :class:`EngineConfig`: device, dtype, model, tokenizer, KV cache."""
 from __future__ import annotations
 
-import dataclasses
 
 import json
 import os
@@ -147,16 +146,18 @@ def _finish_engine(config: EngineConfig, executor: Executor, tokenizer, hf_confi
     engine = LLMEngine(config, executor, tokenizer, num_blocks, max_model_len,
                        eos_token_ids(source, tokenizer) if source else frozenset([tokenizer.eos_token_id]),
                        int(hf_config.vocab_size), kv_group_windows=_kv_layout(model).group_windows)
+    described = executor.describe()
+    attention = described["attention_kernel"]
     info = EngineInfo(name=config.model or (source.name if source else "custom"),
                       architecture=architecture_of(hf_config), max_model_len=max_model_len,
                       vocab_size=int(hf_config.vocab_size), block_size=config.block_size, num_kv_blocks=num_blocks,
                       prefix_caching=config.enable_prefix_caching, quantization=model.quantization,
                       linear_kernels=model.linear_kernels, speculative=_speculative_summary(config),
-                      **_model_shape(model, hf_config), **executor.describe())
-    info = dataclasses.replace(info, batch_invariant=bool(getattr(model, "batch_invariant", False)) and
-                               info.attention_kernel.startswith("batch-invariant"),
-                               kernels=f"linears: {getattr(model, 'linear_path', 'torch')}; attention: "
-                                       f"{info.attention_kernel or info.attention_backend}")
+                      batch_invariant=bool(getattr(model, "batch_invariant", False)) and
+                      attention.startswith("batch-invariant"),
+                      kernels=f"linears: {getattr(model, 'linear_path', 'torch')}; attention: "
+                              f"{attention or described['attention_backend']}",
+                      **_model_shape(model, hf_config), **described)
     return engine, info
 
 

@@ -231,14 +231,20 @@ void load_queries(const AttnArgs<C>& a, const Tile& t, float* qt) {
   }
 }
 
+// The empty merged state (M, L, O) = (-inf, 0, 0) that merge starts from, NV vectors of lanes.
+template <int NV>
+void init_state(float* tot, int64_t D) {
+  for (int v = 0; v < NV; ++v) VT::store(tot + v * W, VT::set1(-INFINITY)), VT::store(tot + (NV + v) * W, VT::zero());
+  std::fill_n(tot + 2 * NV * W, D * NV * W, 0.0f);
+}
+
 // One tile, every split in turn, merged: the output rows.
 template <int NV, class C>
 void tile_all(const AttnArgs<C>& a, const Tile& t, int64_t first, int64_t count, Scratch& w, float* st, float* tot,
               float* out) {
   const int64_t D = a.D;
   load_queries<NV>(a, t, w.qt.data());
-  for (int v = 0; v < NV; ++v) VT::store(tot + v * W, VT::set1(-INFINITY)), VT::store(tot + (NV + v) * W, VT::zero());
-  std::fill_n(tot + 2 * NV * W, D * NV * W, 0.0f);
+  init_state<NV>(tot, D);
   for (int64_t s = 0; s < count; ++s) {
     split_state<NV>(a, t, first + s, w, st, st + NV * W, st + 2 * NV * W);
     merge<NV>(tot, tot + NV * W, tot + 2 * NV * W, st, st + NV * W, st + 2 * NV * W, D);
@@ -288,9 +294,7 @@ void run(const AttnArgs<C>& a, const std::vector<Tile>& tiles, bool split_items,
   at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tot(rec);
     for (int64_t ti = begin; ti < end; ++ti) {
-      VT::store(tot.data(), VT::set1(-INFINITY));
-      VT::store(tot.data() + W, VT::zero());
-      std::fill(tot.begin() + 2 * W, tot.end(), 0.0f);
+      init_state<1>(tot.data(), D);
       for (int64_t k = item_base[ti]; k < item_base[ti + 1]; ++k) {
         const float* r = partial.data() + k * rec;
         merge<1>(tot.data(), tot.data() + W, tot.data() + 2 * W, r, r + W, r + 2 * W, D);
