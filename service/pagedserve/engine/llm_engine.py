@@ -222,7 +222,7 @@ class LLMEngine:
                 continue
             for req in group.children:
                 if not req.is_finished:
-                    self.deadlines.on_finished(req, time.monotonic())  # a call its deadline cancelled: a miss
+                    self.deadlines.on_finished(req, time.monotonic(), calibrate=False)  # a deadline's cancel: a miss
                     text = self.scheduler.abort(req)
                     deltas.append(self.outputs.finish_delta(req, CompletionDelta(rid, req.index, text)))
         return aborted, deltas

@@ -174,3 +174,39 @@ def test_the_calibration_compares_with_the_estimate_made_at_admission():
         r.first_scheduled_time = NOW - 2.0
         p.on_finished(r, NOW)
     assert p.slowdown == pytest.approx(2.0 * 1.1)
+
+
+def _learn(p: DeadlinePolicy, ratio: float, at: float, n: int = 8) -> None:
+    """``n`` admitted requests of 5 steps at 0.1 s that ended at ``at`` after ``ratio`` x their plain estimate."""
+    for i in range(n):
+        done = req(f"slow{i}", n_prompt=60, max_tokens=5)
+        done.token_ids.extend([7] * 5)
+        done.first_scheduled_time = at - 0.5 * ratio
+        p.on_finished(done, at)
+
+
+def test_the_calibration_ages_out_and_is_capped():
+    """A burst that made 8 requests take 7x their estimate (as a shared test server saw) neither refuses a call
+    after SLOWDOWN_TTL_S nor, while it counts, raises the estimate beyond SLOWDOWN_MAX x headroom."""
+    from pagedserve.core.sched.deadlines import SLOWDOWN_MAX, SLOWDOWN_TTL_S
+    p = DeadlinePolicy(prefill_chunk=64)
+    p.timer.observe(0.1)
+    busy = [req("running")]
+    _learn(p, ratio=7.0, at=NOW)
+    assert p.slowdown == pytest.approx(SLOWDOWN_MAX * 1.1)
+    probe = req("probe", n_prompt=10, max_tokens=100, deadline=NOW + 20)   # 100 steps: 10 s plain, 33 s at the cap
+    assert isinstance(p.refusal(probe, NOW + 1, busy), DeadlineError)
+    later = NOW + SLOWDOWN_TTL_S + 1
+    probe.deadline = later + 20
+    assert p.refusal(probe, later, busy) is None and p.slowdown == pytest.approx(1.1)
+
+
+def test_aborted_calls_count_as_misses_but_do_not_calibrate():
+    p = DeadlinePolicy(prefill_chunk=64)
+    p.timer.observe(0.1)
+    for i in range(8):
+        done = req(f"ab{i}", n_prompt=60, max_tokens=5, deadline=NOW - 1)
+        done.token_ids.extend([7] * 5)
+        done.first_scheduled_time = NOW - 10.0              # 20x its estimate
+        p.on_finished(done, NOW, calibrate=False)
+    assert p.stats.missed == 8 and p.slowdown == pytest.approx(1.1)

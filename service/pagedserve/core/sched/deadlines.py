@@ -32,6 +32,8 @@ STEP_WINDOW = 64   # steps the measured step time averages over
 SLOWDOWN_WINDOW = 32   # admitted requests whose service time calibrates the estimate
 SLOWDOWN_MIN_SAMPLES = 8
 SLOWDOWN_HEADROOM = 1.1   # beyond it: a burst of admissions slows the next requests before any of them ends
+SLOWDOWN_TTL_S = 60.0     # a ratio older than this no longer counts: a burst's lesson is about that burst's load
+SLOWDOWN_MAX = 3.0        # the learnt ratio at most: one stalled request must not refuse every later call
 
 
 class StepTimer:
@@ -86,7 +88,8 @@ class DeadlinePolicy:
         self.enabled = enabled
         self.timer = StepTimer()
         self.stats = DeadlineStats()
-        self._ratios: deque[float] = deque(maxlen=SLOWDOWN_WINDOW)   # service time / estimate, admitted requests
+        # (monotonic second it ended, service time / estimate) of admitted requests that ended by themselves
+        self._ratios: deque[tuple[float, float]] = deque(maxlen=SLOWDOWN_WINDOW)
 
     def steps_needed(self, prompt_tokens: int, output_tokens: int) -> int:
         """Steps from admission to the last of ``output_tokens``: the prompt's prefill chunks, then one step per
@@ -96,13 +99,20 @@ class DeadlinePolicy:
     @property
     def slowdown(self) -> float:
         """How much longer admitted requests took than planned (:meth:`on_finished`): the largest ratio over the
-        last :data:`SLOWDOWN_WINDOW` admitted requests that ended (1.0 until :data:`SLOWDOWN_MIN_SAMPLES` did),
-        times :data:`SLOWDOWN_HEADROOM`. It covers what the mean step misses: a request's own prefill step is
+        last :data:`SLOWDOWN_WINDOW` admitted requests that ended within :data:`SLOWDOWN_TTL_S` seconds of the
+        latest check (1.0 until :data:`SLOWDOWN_MIN_SAMPLES` did), at most :data:`SLOWDOWN_MAX`, times
+        :data:`SLOWDOWN_HEADROOM`. Old ratios age out because they describe the load of their time: a burst that
+        slowed 32 requests 6x, learnt on a server that then went quiet, refused a feasible call minutes later
+        (tests/e2e/test_faults.py in the full suite). It covers what the mean step misses: a request's own prefill step is
         longer than the mean, and requests admitted after it add their prompts to its steps (bench/deadlines.py:
         admitted requests take up to 1.25x the plain estimate in bursts, and the window learns a burst only as its
         requests end)."""
-        worst = max(self._ratios) if len(self._ratios) >= SLOWDOWN_MIN_SAMPLES else 1.0
-        return SLOWDOWN_HEADROOM * worst
+        worst = max(r for _, r in self._ratios) if len(self._ratios) >= SLOWDOWN_MIN_SAMPLES else 1.0
+        return SLOWDOWN_HEADROOM * min(SLOWDOWN_MAX, worst)
+
+    def _age_out(self, now: float) -> None:
+        while self._ratios and now - self._ratios[0][0] > SLOWDOWN_TTL_S:
+            self._ratios.popleft()
 
     def planned_service_s(self, request: Request) -> float | None:
         """The plain estimate of the seconds ``request`` needs from admission to its last token:
@@ -121,6 +131,7 @@ class DeadlinePolicy:
     def refusal(self, request: Request, now: float, running: list[Request]) -> DeadlineError | None:
         """The error to refuse a not-yet-admitted ``request`` with at ``now``, or None when it may still run
         (counted by reason and by ``request.caller``)."""
+        self._age_out(now)
         error = self._refusal(request, now, running)
         if error is not None:
             by = self.stats.refused_by_caller
@@ -168,22 +179,23 @@ class DeadlinePolicy:
         left = min(max(0, r.max_tokens - r.num_output_tokens) for r in running)
         return max(1.0, left * step)
 
-    def on_finished(self, request: Request, now: float) -> None:
+    def on_finished(self, request: Request, now: float, calibrate: bool = True) -> None:
         """Count a request that ended (any way) after its deadline; one that ran unpreempted from admission
         calibrates :attr:`slowdown`: its seconds from first step to ``now`` over the plain estimate of its last
         check before admission (``request.planned_service_s``, scaled to the tokens it made), else over its steps x
-        the step time now."""
+        the step time now. ``calibrate=False`` (aborted calls: the client or a fault ended them, at any point)
+        only counts a miss."""
         if request.deadline is not None and now > request.deadline:
             self.stats.missed += 1
         start, step = request.first_scheduled_time, self.timer.step_s
-        if start is not None and step and request.num_preemptions == 0 and request.num_output_tokens > 0:
+        if calibrate and start is not None and step and request.num_preemptions == 0 and request.num_output_tokens > 0:
             # against the estimate made when it was admitted (the step time then), scaled to the tokens it made;
             # without one (admitted without a check), the plain estimate at the step time now
             steps = self.steps_needed(request.num_prompt_tokens, request.num_output_tokens)
             planned = request.planned_service_s
             full = self.steps_needed(request.num_prompt_tokens, request.max_tokens)
             expected = planned * steps / full if planned and full else steps * step
-            self._ratios.append((now - start) / expected)
+            self._ratios.append((now, (now - start) / expected))
 
     @staticmethod
     def queue_key(request: Request) -> float:
