@@ -157,3 +157,72 @@ def test_a8_kernels_reject_bad_arguments():
     with pytest.raises(RuntimeError, match="levels must be 1 or 2"):
         torch.ops.pagedserve_cpu.linear_q8_a8(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.int8),
                                               torch.ones(8, 2), 32, None, 3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", TOKEN_COUNTS)
+@pytest.mark.parametrize("levels", [1, 2])
+def test_packed_panels_give_the_per_call_kernels_bits(m, levels, isa):
+    """pack_a8_panels + linear_a8_packed (the panels packed once, at load) against linear_q4_a8 / linear_q8_a8 (the
+    same panels repacked per call): bit-identical, with and without bias, N with a 5-row tail panel."""
+    gen = torch.Generator().manual_seed(900 + m)
+    ops = torch.ops.pagedserve_cpu
+    x = torch.randn(m, 384, generator=gen) * 3
+    x[0, :32] = 0.0
+    bias = torch.randn(61, generator=gen)
+    for group in (32, 128):
+        q4 = StreamingInt4Linear(quantize_int4(torch.randn(61, 384, generator=gen), group))
+        packed = ops.pack_a8_panels(q4.codes, q4.scales, q4.mins, group)
+        assert [tuple(t.shape) for t in packed] == [(8, 384 * 8), (8, 12 * 8), (8, 12 * 8)]
+        for b in (None, bias):
+            want = ops.linear_q4_a8(x, q4.codes, q4.scales, q4.mins, group, b, levels)
+            assert torch.equal(ops.linear_a8_packed(x, *packed, 61, b, levels), want)
+    q8 = StreamingInt8Linear(quantize_int8_per_channel(torch.randn(61, 384, generator=gen)))
+    packed = ops.pack_a8_panels(q8.codes, q8.scales, None, q8.group_size)
+    assert packed[2].numel() == 0
+    for b in (None, bias):
+        want = ops.linear_q8_a8(x, q8.codes, q8.scales, q8.group_size, b, levels)
+        assert torch.equal(ops.linear_a8_packed(x, *packed, 61, b, levels), want)
+
+
+@needs_kernels
+def test_layers_run_their_packed_panels_and_vnni_drops_them():
+    """use_int8_activations packs each layer's panels (none when off); the layer's call is bit-identical to the
+    per-call op either way; an int4 layer moved to the VNNI panels drops its 8-row copy."""
+    from pagedserve.models.cpu_linear import use_vnni, vnni_available
+    gen = torch.Generator().manual_seed(11)
+    q4 = StreamingInt4Linear(quantize_int4(torch.randn(40, 96, generator=gen), 32))
+    q8 = StreamingInt8Linear(quantize_int8_per_channel(torch.randn(40, 96, generator=gen)))
+    model = torch.nn.Sequential(q4, q8)
+    x = torch.randn(3, 96, generator=gen)
+    use_int8_activations(model, 1, 2)
+    assert q4.a8_panels is not None and q8.a8_panels is not None
+    with_panels = q4(x), q8(x)
+    q4.a8_panels = q8.a8_panels = None
+    assert torch.equal(with_panels[0], q4(x)) and torch.equal(with_panels[1], q8(x))
+    use_int8_activations(model, 0)
+    assert q4.a8_panels is None and q8.a8_panels is None
+    if vnni_available():
+        use_int8_activations(model, 1, 2)
+        use_vnni(model)
+        assert q4.a8_panels is None and q8.a8_panels is not None
+        assert torch.equal(q4(x), with_panels[0])   # the VNNI panels give the same bits
+
+
+@needs_kernels
+def test_packed_panel_kernels_reject_bad_arguments():
+    ops = torch.ops.pagedserve_cpu
+    codes, scales = torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 2)
+    with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
+        ops.pack_a8_panels(codes.to(torch.int8), scales, scales, 32)
+    with pytest.raises(RuntimeError, match="codes must be contiguous int8"):
+        ops.pack_a8_panels(codes, scales, None, 32)
+    packed = ops.pack_a8_panels(codes, scales, scales, 32)
+    with pytest.raises(RuntimeError, match=r"packed must be contiguous uint8 \[ceil\(N / 8\)"):
+        ops.linear_a8_packed(torch.randn(2, 64), *packed, 24, None, 1)    # N = 24: three panels, two packed
+    with pytest.raises(RuntimeError, match="dw, mw must be"):
+        ops.linear_a8_packed(torch.randn(2, 64), packed[0], packed[1][:, :8].contiguous(), packed[2], 16, None, 1)
+    with pytest.raises(RuntimeError, match="levels must be 1 or 2"):
+        ops.linear_a8_packed(torch.randn(2, 64), *packed, 16, None, 0)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ops.linear_a8_packed(torch.randn(2, 96), *packed, 16, None, 1)   # K of x differs from the panels'

@@ -23,17 +23,19 @@ schemes, by ``linear_kernels`` choice (EngineConfig.linear_kernels):
   added in one order (level 0, level 1, the q4 min term from the activations' block sums). The int4 layers run it on
   ``linear_q4_vnni`` where the CPU has AVX-512 VNNI (16-row panels packed once at load, one VPDPBUSD per 4 weights
   x 16 rows; the copy costs the layer's codes and scales once more, about 80 MB for the embedded model), else on
-  ``linear_q4_a8`` (AVX2 maddubs or AVX-VNNI, 8-row panels repacked per call), and from :data:`AMX_MIN_TOKENS`
-  tokens on ``linear_q4_amx`` where the CPU has AMX-INT8: the three give the same bits (tested; use_amx checks it
-  again at load and keeps AMX off if not). int8 layers run ``linear_q8_a8``. float32 layers run ``linear_f32``.
+  ``linear_a8_packed`` (AVX2 maddubs or AVX-VNNI on 8-row panels packed once at load by
+  :func:`use_int8_activations`: ``linear_q4_a8``'s function, which repacks per call), and from
+  :data:`AMX_MIN_TOKENS` tokens on ``linear_q4_amx`` where the CPU has AMX-INT8: the three give the same bits
+  (tested; use_amx checks it again at load and keeps AMX off if not). int8 layers run ``linear_a8_packed`` on their
+  8-row panels (``linear_q8_a8``'s function). float32 layers run ``linear_f32``.
   On the embedded model's 2,000-token teacher-forced text against float32 activations (tests/models/test_quant.py)
   two levels agree on the top-1 token at 0.9995, perplexity +0.000%.
 - ``"int8-activations"``: one level (llama.cpp's numerics, the fastest; top-1 agreement 0.970, perplexity +0.25%).
 - ``"float-activations"``: float32 activations at every call (``linear_q4`` / ``linear_q8``: each weight row decoded
   into an L1 buffer, register tiles with k in the lanes): the float32 function of the quantized weights.
 
-The float32 GEMM of the decoded weight (``dq_min_tokens``, :func:`use_dequantized_gemm`) is not batch-invariant (the
-BLAS blocks by the call's shape) and no choice takes it; bench/prefill.py keeps it as the baseline.
+The float32 GEMM of the decoded weight (:func:`use_dequantized_gemm`: not batch-invariant) is bench/prefill.py's
+baseline.
 
 :func:`use_cpu_kernels` swaps a loaded model's float32 ``nn.Linear`` leaves; the quantized layers are built directly
 by :mod:`.quant_load` when its plan says so.
@@ -53,29 +55,20 @@ from .quant import Int4Weight, Int8BlockWeight, Int8ChannelWeight
 
 log = structlog.get_logger(__name__)
 
-# Every layer runs one numeric scheme for every token count, so a token's logits never depend on how many tokens
-# share its step (batch invariance: README, "Deterministic outputs"). The thresholds below are therefore 1 (from the
-# first token) or unbounded; a layer's kernel choice is made once, at load, by the CPU's features.
-# Tokens from which "auto" quantizes the activations of the quantized linears to int8: every call (two levels:
-# within the quantization tests' agreement bound; one level, "int8-activations", is llama.cpp's numerics).
+# One numeric scheme per layer for every token count (README, "Deterministic outputs"): the thresholds below are 1
+# or unbounded; a layer's kernel is chosen once, at load, by the CPU's features. int8 activations from token 1:
 A8_MIN_TOKENS = 1
 A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choice (others: none)
-# The float32 GEMM of the decoded weight (torch's BLAS; a row's result depends on the call's shape): no choice takes
-# it now; bench/prefill.py keeps it as the baseline.
-DQ_MIN_TOKENS = 64
+DQ_MIN_TOKENS = 64   # the float32 GEMM of the decoded weight: no choice takes it (bench/prefill.py's baseline)
 DQ_MAX_WEIGHTS = 1 << 22   # larger weights (an LM head: 28 M) keep the own kernels: no 100+ MB float32 copy per call
 # Tokens from which "auto" / "int8-activations" run the int4 layers' int8 activations on AMX tiles where the CPU has
-# AMX-INT8 (linear_q4_amx: the same bits as linear_q4_vnni and linear_q4_a8, checked at load by use_amx). One
-# thread, ms per call, Xeon (AMX), two levels vs float32 GEMM of the decoded weight: 3072 x 576 M=64 0.94 vs 2.88,
-# M=256 3.18 vs 5.04, M=1024 15.7 vs 17.4; 576 x 1536 M=64 0.50 vs 0.91, M=256 1.73 vs 2.49.
-AMX_MIN_TOKENS = 16
-AMX_CHOICES = ("auto", "int8-activations")
+# AMX-INT8 (linear_q4_amx: the same bits as linear_q4_vnni and linear_q4_a8, checked at load by use_amx; figures:
+# bench/README.md, "AMX").
+AMX_MIN_TOKENS, AMX_CHOICES = 16, ("auto", "int8-activations")
 # Tokens up to which "auto" / "int8-activations" run the int4 layers on linear_q4_vnni (int8 activations, 16-row
-# panels packed at load, AVX-512 VNNI) where the CPU has it: every call. 2 threads, AMD EPYC (AVX-512, no AMX),
-# GFLOP/s-equivalent of a 1536 x 576 layer, two levels, against the float32 GEMM of the decoded weight that "auto"
-# took from 64 tokens before: M=1 214 vs 18, M=32 451 vs 138, M=256 427 vs 194, M=1024 363 vs 200.
-VNNI_MAX_TOKENS = 1 << 62
-VNNI_CHOICES = AMX_CHOICES
+# panels packed at load, AVX-512 VNNI) where the CPU has it: every call (1536 x 576, two levels, 2 threads, AMD EPYC
+# without AMX, GFLOP/s-eq vs the decoded float32 GEMM: M=1 214 vs 18, M=32 451 vs 138, M=1024 363 vs 200).
+VNNI_MAX_TOKENS, VNNI_CHOICES = 1 << 62, AMX_CHOICES
 
 
 def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
@@ -106,6 +99,17 @@ def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _takes(x: torch.Tensor, k: int, min_tokens: int) -> bool:
     """Whether a call on ``x`` (rows of ``k``) is long enough for a path taken from ``min_tokens`` (0: never)."""
     return min_tokens > 0 and x.numel() >= min_tokens * k
+
+
+def _a8_call(layer: nn.Module, rows: torch.Tensor, args: tuple, per_call, float_act) -> torch.Tensor:
+    """A quantized layer's int8-activation call (on its packed 8-row panels when it has them, else ``per_call``,
+    which packs them per call: the same bits) or, below ``a8_min_tokens``, its float-activation call."""
+    if not _takes(rows, layer.in_features, layer.a8_min_tokens):
+        return float_act(*args)
+    if layer.a8_panels is not None:
+        return torch.ops.pagedserve_cpu.linear_a8_packed(rows, *layer.a8_panels, layer.out_features, layer.bias,
+                                                         layer.a8_levels)
+    return per_call(*args, layer.a8_levels)
 
 
 def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
@@ -154,7 +158,7 @@ class StreamingInt4Linear(nn.Module):
         self.register_buffer("mins", (weight.zeros - 8.0 * weight.scales).to(torch.float32).contiguous())
         self.bias = _bias(bias)
         self.a8_min_tokens, self.a8_levels, self.dq_min_tokens, self.amx_min_tokens = 0, 2, 0, 0
-        self.vnni_max_tokens, self.vnni_panels = 0, None
+        self.vnni_max_tokens, self.vnni_panels, self.a8_panels = 0, None, None
 
     def dequantize(self) -> torch.Tensor:
         """The weight decoded to float32 ``[N, K]`` (``q * scale + min``, one FMA each)."""
@@ -164,6 +168,8 @@ class StreamingInt4Linear(nn.Module):
         """Calls of up to ``max_tokens`` tokens run ``linear_q4_vnni`` (0: never; the packed copy is dropped). The
         first call with ``max_tokens`` > 0 packs the weight (``pack_q4_vnni``: codes uint8 ``[ceil(N / 16),
         K // 32 * 256]``, scales and mins float32 ``[ceil(N / 16), K // 32 * 16]``)."""
+        if max_tokens >= VNNI_MAX_TOKENS:
+            self.a8_panels = None   # every call runs on the VNNI panels
         if max_tokens and self.vnni_panels is None:
             self.vnni_panels = tuple(torch.ops.pagedserve_cpu.pack_q4_vnni(self.codes, self.scales, self.mins,
                                                                             self.group_size))
@@ -181,9 +187,7 @@ class StreamingInt4Linear(nn.Module):
             return _like(ops.linear_q4_amx(*args, self.a8_levels), x)
         if _takes(rows, self.in_features, self.dq_min_tokens):
             return _like(F.linear(rows, self.dequantize(), self.bias), x)
-        a8 = _takes(rows, self.in_features, self.a8_min_tokens)
-        y = ops.linear_q4_a8(*args, self.a8_levels) if a8 else ops.linear_q4(*args)
-        return _like(y, x)
+        return _like(_a8_call(self, rows, args, ops.linear_q4_a8, ops.linear_q4), x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, source={self.source}"
@@ -210,7 +214,7 @@ class StreamingInt8Linear(nn.Module):
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.bias = _bias(bias)
-        self.a8_min_tokens, self.a8_levels, self.dq_min_tokens = 0, 2, 0
+        self.a8_min_tokens, self.a8_levels, self.dq_min_tokens, self.a8_panels = 0, 2, 0, None
 
     def dequantize(self) -> torch.Tensor:
         """The weight decoded to float32 ``[N, K]`` (``q * scale``)."""
@@ -221,10 +225,8 @@ class StreamingInt8Linear(nn.Module):
         rows = _rows(x, self.in_features)
         if _takes(rows, self.in_features, self.dq_min_tokens):
             return _like(F.linear(rows, self.dequantize(), self.bias), x)
-        a8 = _takes(rows, self.in_features, self.a8_min_tokens)
         args = (rows, self.codes, self.scales, self.group_size, self.bias)
-        y = ops.linear_q8_a8(*args, self.a8_levels) if a8 else ops.linear_q8(*args)
-        return _like(y, x)
+        return _like(_a8_call(self, rows, args, ops.linear_q8_a8, ops.linear_q8), x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, source={self.source}"
@@ -256,7 +258,9 @@ def use_cpu_kernels(model: nn.Module) -> int:
 def use_int8_activations(model: nn.Module, min_tokens: int = A8_MIN_TOKENS, levels: int = 2) -> int:
     """Set ``a8_min_tokens = min_tokens`` (0: int8 activations off) and ``a8_levels = levels`` on every
     :class:`StreamingInt4Linear` and :class:`StreamingInt8Linear` of ``model`` whose K and group size are multiples
-    of 32. Returns how many layers were set.
+    of 32, and pack their 8-row panels (``pack_a8_panels``: codes uint8 ``[ceil(N / 8), K * 8]``, scales (and
+    mins) float32 ``[ceil(N / 8), K // 32 * 8]``; :func:`use_vnni` drops an int4 layer's, the VNNI panels serving
+    its calls). Returns how many layers were set.
 
     Raises:
         ValueError: a negative ``min_tokens``, ``levels`` other than 1 or 2.
@@ -270,6 +274,9 @@ def use_int8_activations(model: nn.Module, min_tokens: int = A8_MIN_TOKENS, leve
         if isinstance(module, (StreamingInt4Linear, StreamingInt8Linear)) and module.in_features % 32 == 0 \
                 and module.group_size % 32 == 0:
             module.a8_min_tokens, module.a8_levels = min_tokens, levels
+            mins = (module.mins,) if isinstance(module, StreamingInt4Linear) else (None,)
+            module.a8_panels = tuple(torch.ops.pagedserve_cpu.pack_a8_panels(
+                module.codes, module.scales, *mins, module.group_size)) if min_tokens else None
             count += 1
     return count
 
@@ -299,8 +306,7 @@ def amx_available() -> bool:
 
 
 def _int8_activation_int4_layers(model: nn.Module) -> list[StreamingInt4Linear]:
-    """The :class:`StreamingInt4Linear` layers of ``model`` whose K and group size are multiples of 32 (what the AMX
-    and VNNI int8-activation kernels take)."""
+    """The :class:`StreamingInt4Linear` layers of ``model`` whose K and group size are multiples of 32."""
     return [m for m in model.modules()
             if isinstance(m, StreamingInt4Linear) and m.in_features % 32 == 0 and m.group_size % 32 == 0]
 
@@ -347,26 +353,19 @@ def use_amx(model: nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> int:
 def linear_path_of(model: nn.Module) -> str:
     """One line naming the kernels the model's linears run, e.g. "int8 activations x2 (int4: avx512-vnni panels,
     amx from 16 tokens; int8: avx2 panels); float32: own kernel", from the layers' settings."""
-    q4 = [m for m in model.modules() if isinstance(m, StreamingInt4Linear)]
-    q8 = [m for m in model.modules() if isinstance(m, StreamingInt8Linear)]
-    f32 = any(isinstance(m, StreamingLinear) for m in model.modules())
+    q4, q8 = ([m for m in model.modules() if isinstance(m, cls)] for cls in (StreamingInt4Linear, StreamingInt8Linear))
     parts = []
-    if q4 or q8:
-        levels = max([m.a8_levels for m in q4 + q8 if m.a8_min_tokens] or [0])
-        avx2 = "avx-vnni" if bool(torch.ops.pagedserve_cpu.linear_a8_vnni(-1)) else "avx2"
-        if levels:
-            kinds = []
-            if q4:
-                vnni = any(m.vnni_max_tokens for m in q4)
-                amx = max((m.amx_min_tokens for m in q4), default=0)
-                kinds.append("int4: " + ("avx512-vnni panels" if vnni else f"{avx2} panels") +
-                             (f", amx from {amx} tokens" if amx else ""))
-            if q8:
-                kinds.append(f"int8: {avx2} panels")
-            parts.append(f"int8 activations x{levels} ({'; '.join(kinds)})")
-        else:
-            parts.append("float32 activations (int4/int8 decoded per row)")
-    if f32:
+    levels = max([m.a8_levels for m in q4 + q8 if m.a8_min_tokens] or [0])
+    avx2 = "avx-vnni" if (q4 or q8) and bool(torch.ops.pagedserve_cpu.linear_a8_vnni(-1)) else "avx2"
+    if levels:
+        amx = max((m.amx_min_tokens for m in q4), default=0)
+        kinds = [f"int4: {'avx512-vnni' if any(m.vnni_max_tokens for m in q4) else avx2} panels"
+                 + (f", amx from {amx} tokens" if amx else "")] if q4 else []
+        kinds += [f"int8: {avx2} panels"] if q8 else []
+        parts.append(f"int8 activations x{levels} ({'; '.join(kinds)})")
+    elif q4 or q8:
+        parts.append("float32 activations (int4/int8 decoded per row)")
+    if any(isinstance(m, StreamingLinear) for m in model.modules()):
         parts.append("float32: own kernel")
     return "; ".join(parts) or "none"
 

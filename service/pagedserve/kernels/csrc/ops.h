@@ -9,7 +9,8 @@
 //   linear_quant.cpp   linear_q4, linear_q8
 //   linear_a8.hpp      int8 activations: quantization, 8-row weight panels, integer register tiles
 //   linear_a8_vnni.hpp the same tile on AVX-VNNI, runtime-dispatched
-//   linear_a8.cpp      linear_q4_a8, linear_q8_a8 (int8 activations, for prefill chunks), linear_a8_vnni
+//   linear_a8.cpp      linear_q4_a8, linear_q8_a8 (int8 activations), pack_a8_panels + linear_a8_packed (the
+//                      same on panels packed once at load), linear_a8_vnni
 //   linear_amx.cpp     linear_q4_amx (linear_q4_a8's function on AMX tiles), linear_amx_available
 //   linear_vnni.cpp    pack_q4_vnni, linear_q4_vnni (int8 activations at decode on AVX-512 VNNI, 16-row panels)
 //   dequant.cpp        dequantize_q4, dequantize_q8 (weights to float32 for the BLAS GEMM of long prefill chunks)
@@ -38,6 +39,11 @@ at::Tensor linear_q4_a8(const at::Tensor& x, const at::Tensor& codes, const at::
                         int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels);
 at::Tensor linear_q8_a8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
                         const c10::optional<at::Tensor>& bias, int64_t levels);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_a8_panels(const at::Tensor& codes, const at::Tensor& scale,
+                                                              const c10::optional<at::Tensor>& min,
+                                                              int64_t group_size);
+at::Tensor linear_a8_packed(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dw, const at::Tensor& mw,
+                            int64_t N, const c10::optional<at::Tensor>& bias, int64_t levels);
 bool linear_a8_vnni(int64_t mode);
 at::Tensor linear_q4_amx(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                          int64_t group_size, const c10::optional<at::Tensor>& bias, int64_t levels);

@@ -17,6 +17,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("linear_q4_a8(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias, int levels) "
         "-> Tensor");
   m.def("linear_q8_a8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias, int levels) -> Tensor");
+  m.def("pack_a8_panels(Tensor codes, Tensor scale, Tensor? min, int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def("linear_a8_packed(Tensor x, Tensor packed, Tensor dw, Tensor mw, int N, Tensor? bias, int levels) -> Tensor");
   m.def("linear_a8_vnni(int mode) -> bool", &linear_a8_vnni);   // no tensors: a catch-all kernel
   m.def("linear_q4_amx(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias, int levels) "
         "-> Tensor");
@@ -44,6 +46,8 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("linear_q8", &linear_q8);
   m.impl("linear_q4_a8", &linear_q4_a8);
   m.impl("linear_q8_a8", &linear_q8_a8);
+  m.impl("pack_a8_panels", &pack_a8_panels);
+  m.impl("linear_a8_packed", &linear_a8_packed);
   m.impl("linear_q4_amx", &linear_q4_amx);
   m.impl("pack_q4_vnni", &pack_q4_vnni);
   m.impl("linear_q4_vnni", &linear_q4_vnni);
