@@ -8,6 +8,7 @@ import math
 import pytest
 
 from pagedserve.core.kv_cache.manager import KVCacheManager
+from pagedserve.core.sched.deadlines import SLOWDOWN_HEADROOM as H
 from pagedserve.core.sched.deadlines import DeadlinePolicy, StepTimer
 from pagedserve.core.sched.scheduler import Scheduler
 from pagedserve.errors import DeadlineError
@@ -60,10 +61,10 @@ def test_refusal_rules():
     err = p.refusal(req("b", deadline=NOW - 0.1), NOW, [])
     assert isinstance(err, DeadlineError) and "deadline passed" in str(err) and err.retry_after_s == 1.0
     p.timer.observe(0.1)                                                  # 100 ms per step
-    # 130 prompt tokens = 3 prefill steps, then 7 more decode steps: 10 steps = 1.0 s, 1.1 s with the headroom
-    assert p.estimated_service_s(req("c", n_prompt=130, max_tokens=8)) == pytest.approx(1.1)
+    # 130 prompt tokens = 3 prefill steps, then 7 more decode steps: 10 steps = 1.0 s, H s with the headroom
+    assert p.estimated_service_s(req("c", n_prompt=130, max_tokens=8)) == pytest.approx(H)
     busy = [req("running")]
-    assert p.refusal(req("c", n_prompt=130, max_tokens=8, deadline=NOW + 1.15), NOW, busy) is None
+    assert p.refusal(req("c", n_prompt=130, max_tokens=8, deadline=NOW + H + 0.05), NOW, busy) is None
     assert p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, []) is None  # idle: runs now
     err = p.refusal(req("d", n_prompt=130, max_tokens=8, deadline=NOW + 1.05), NOW, busy)
     assert isinstance(err, DeadlineError) and "cannot finish within the deadline" in str(err)
@@ -136,8 +137,8 @@ def test_the_estimate_is_calibrated_by_how_long_admitted_requests_took():
     p = DeadlinePolicy(prefill_chunk=64)
     p.timer.observe(0.1)
     busy = [req("running")]
-    probe = req("probe", n_prompt=60, max_tokens=10, deadline=NOW + 1.5)   # 10 steps: 1.1 s before calibration, 2.2 s after
-    assert p.estimated_service_s(probe) == pytest.approx(1.1) and p.refusal(probe, NOW, busy) is None
+    probe = req("probe", n_prompt=60, max_tokens=10, deadline=NOW + 1.5)   # 10 steps: H s before calibration, 2H after
+    assert p.estimated_service_s(probe) == pytest.approx(H) and p.refusal(probe, NOW, busy) is None
     for i in range(8):
         done = req(f"done{i}", n_prompt=60, max_tokens=5)
         done.token_ids.extend([7] * 5)
@@ -145,13 +146,13 @@ def test_the_estimate_is_calibrated_by_how_long_admitted_requests_took():
         if i == 0:
             done.num_preemptions = 1
         p.on_finished(done, NOW)
-    assert p.slowdown == pytest.approx(1.1)               # 7 samples: the preempted one is left out; headroom
+    assert p.slowdown == pytest.approx(H)                 # 7 samples: the preempted one is left out; headroom
     extra = req("done8", n_prompt=60, max_tokens=5)
     extra.token_ids.extend([7] * 5)
     extra.first_scheduled_time = NOW - 1.0
     p.on_finished(extra, NOW)
-    assert p.slowdown == pytest.approx(2.2)               # the slowest, with 10% headroom
-    assert p.estimated_service_s(probe) == pytest.approx(2.2)
+    assert p.slowdown == pytest.approx(2 * H)             # the slowest, with the headroom
+    assert p.estimated_service_s(probe) == pytest.approx(2 * H)
     assert isinstance(p.refusal(probe, NOW, busy), DeadlineError)
 
 
@@ -173,7 +174,7 @@ def test_the_calibration_compares_with_the_estimate_made_at_admission():
         r.token_ids.extend([7] * 10)
         r.first_scheduled_time = NOW - 2.0
         p.on_finished(r, NOW)
-    assert p.slowdown == pytest.approx(2.0 * 1.1)
+    assert p.slowdown == pytest.approx(2.0 * H)
 
 
 def _learn(p: DeadlinePolicy, ratio: float, at: float, n: int = 8) -> None:
@@ -193,12 +194,12 @@ def test_the_calibration_ages_out_and_is_capped():
     p.timer.observe(0.1)
     busy = [req("running")]
     _learn(p, ratio=7.0, at=NOW)
-    assert p.slowdown == pytest.approx(SLOWDOWN_MAX * 1.1)
+    assert p.slowdown == pytest.approx(SLOWDOWN_MAX * H)
     probe = req("probe", n_prompt=10, max_tokens=100, deadline=NOW + 20)   # 100 steps: 10 s plain, 33 s at the cap
     assert isinstance(p.refusal(probe, NOW + 1, busy), DeadlineError)
     later = NOW + SLOWDOWN_TTL_S + 1
     probe.deadline = later + 20
-    assert p.refusal(probe, later, busy) is None and p.slowdown == pytest.approx(1.1)
+    assert p.refusal(probe, later, busy) is None and p.slowdown == pytest.approx(H)
 
 
 def test_aborted_calls_count_as_misses_but_do_not_calibrate():
@@ -209,4 +210,4 @@ def test_aborted_calls_count_as_misses_but_do_not_calibrate():
         done.token_ids.extend([7] * 5)
         done.first_scheduled_time = NOW - 10.0              # 20x its estimate
         p.on_finished(done, NOW, calibrate=False)
-    assert p.stats.missed == 8 and p.slowdown == pytest.approx(1.1)
+    assert p.stats.missed == 8 and p.slowdown == pytest.approx(H)

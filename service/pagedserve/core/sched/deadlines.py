@@ -31,7 +31,9 @@ from ...request import Request
 STEP_WINDOW = 64   # steps the measured step time averages over
 SLOWDOWN_WINDOW = 32   # admitted requests whose service time calibrates the estimate
 SLOWDOWN_MIN_SAMPLES = 8
-SLOWDOWN_HEADROOM = 1.1   # beyond it: a burst of admissions slows the next requests before any of them ends
+# beyond the learnt ratio: a burst of admissions slows the next requests before any of them ends. bench/deadlines.py
+# (Zen 4, 3 arrival seeds at 2x and 3x overload): 1.1 let admitted calls miss in 3 of 6 runs (up to 6), 1.25 in none
+SLOWDOWN_HEADROOM = 1.25
 SLOWDOWN_TTL_S = 60.0     # a ratio older than this no longer counts: a burst's lesson is about that burst's load
 SLOWDOWN_MAX = 3.0        # the learnt ratio at most: one stalled request must not refuse every later call
 
