@@ -1,28 +1,32 @@
 """Tracing's cost, served: TPOT and TTFT with OpenTelemetry tracing on (every call sampled, spans exported over OTLP
 to an in-process collector) against off, alternating on the same machine in one run.
 
-    .venv/bin/python bench/tracing_ab.py [--rounds 4] [--concurrency 1,8] [--max-new-tokens 64] [--threads 2]
+    .venv/bin/python bench/tracing_ab.py [--sets 1] [--rounds 4] [--aa] [--concurrency 1,8] [--max-new-tokens 64]
 
-Two `pagedserve serve` processes (embedded models, default flags) are up at the same time and driven one at a time,
-``off, on, on, off, off, on, ...`` per concurrency, so both see the machine in the same state:
+`pagedserve serve` processes (embedded models, default flags) are up at the same time and driven one at a time, in
+an order rotated every round (``off, on, on, off, off, on, ...`` for two), per concurrency, so all see the machine
+in the same state:
 
 - ``off``: no ``--otlp-traces-endpoint``; its environment still names a second collector in
   ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (the SDK's own variable), which must receive no span: tracing is off unless
   the flag is given.
 - ``on``: ``--otlp-traces-endpoint`` at the first collector, ``OTEL_TRACES_SAMPLER=always_on`` (every call traced),
   ``OTEL_BSP_SCHEDULE_DELAY=200`` (exports every 200 ms, so export work falls inside the measured runs).
+- ``off2`` (with ``--aa``): a third server, configured as ``off``: off2/off is what two server processes differ by
+  on this machine in this run (an A/A comparison), the noise floor of on/off.
 
 Each run is ``--requests`` gRPC Generate streams (greedy, exactly ``--max-new-tokens`` tokens, a new cache salt per
-run, so no run hits an earlier run's prefix cache) at the given concurrency. Printed per concurrency: each side's
-TPOT p50 and TTFT p50 (median over its rounds), the ratio on / off (the issue's bar: TPOT p50 within 3%), and the
-spans each collector received (on: one or more per call; off: 0). ``--aa`` starts the second server with tracing off
-too (an A/A run): its on/off ratios are what two server processes differ by on this machine, the noise floor of
-the comparison.
+run, so no run hits an earlier run's prefix cache) at the given concurrency. ``--sets K`` starts K fresh sets of
+server processes one after the other (the start order rotated) and pools their runs, so one process that happens to
+run faster or slower than its twin weighs 1/K. Printed per concurrency: each side's TPOT p50 and TTFT p50 (median
+over its runs), the ratios to ``off`` (the issue's bar: on/off TPOT p50 within 3%), and the spans each collector
+received (on: one or more per call; off: 0).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -41,8 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=0, help="streams per run (default: 8 x concurrency, >= 8)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--sets", type=int, default=1,
+                   help="sets of fresh server processes, run one after the other and pooled (process-to-process "
+                        "differences average out)")
     p.add_argument("--aa", action="store_true",
-                   help="A/A: the second server with tracing off too, to size what two processes differ by")
+                   help="A/A too: a third server with tracing off (off2), to size what two processes differ by")
     return p.parse_args(argv)
 
 
@@ -51,51 +58,77 @@ def one_run(server: common.ServerProcess, requests: list, concurrency: int) -> d
     return common.latency_summary(records)
 
 
+def start_servers(args, traced_url: str, stray_url: str, first: int) -> dict[str, common.ServerProcess]:
+    """The servers of one set (not started yet): ``off``, ``on`` and with ``--aa`` ``off2``, in start order rotated by
+    ``first`` so no side is always the first process started."""
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = stray_url        # seen by the off servers only
+    servers = {"off": common.ServerProcess(args.threads)}
+    if args.aa:
+        servers["off2"] = common.ServerProcess(args.threads)
+    del os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    os.environ.update(OTEL_TRACES_SAMPLER="always_on", OTEL_BSP_SCHEDULE_DELAY="200")
+    servers["on"] = common.ServerProcess(args.threads, ["--otlp-traces-endpoint", traced_url])
+    for key in ("OTEL_TRACES_SAMPLER", "OTEL_BSP_SCHEDULE_DELAY"):
+        del os.environ[key]
+    names = list(servers)
+    names = names[first % len(names):] + names[:first % len(names)]
+    return {name: servers[name] for name in names}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     settings = common.configure_threads(args.threads)
     tokenizer = common.load_tokenizer()
     traced, stray = OtlpCollector(keep=False), OtlpCollector(keep=False)
     traced_url, stray_url = traced.start(), stray.start()
-    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = stray_url        # seen by the "off" server only
-    off = common.ServerProcess(args.threads)
-    del os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-    os.environ.update(OTEL_TRACES_SAMPLER="always_on", OTEL_BSP_SCHEDULE_DELAY="200")
-    on = common.ServerProcess(args.threads, [] if args.aa else ["--otlp-traces-endpoint", traced_url])
-    for key in ("OTEL_TRACES_SAMPLER", "OTEL_BSP_SCHEDULE_DELAY"):
-        del os.environ[key]
-    print(f"threads {args.threads}, load before {settings['loadavg_1m_before']}; {args.rounds} rounds per side, "
-          f"{args.max_new_tokens} output tokens per stream" + ("; A/A: 'on' is a second server with tracing off"
-                                                               if args.aa else ""))
-    rows = []
-    with off, on:
-        warm = [common.warmup_request(tokenizer)]
-        for server in (off, on):
-            one_run(server, warm, 1)
-        for concurrency in (int(c) for c in args.concurrency.split(",")):
-            n = args.requests or max(8, 8 * concurrency)
-            requests = common.quick_workload(tokenizer, n, args.max_new_tokens)
-            results: dict[str, list[dict]] = {"off": [], "on": []}
-            spans_before = traced.num_spans
-            for r in range(args.rounds):
-                order = (("off", off), ("on", on)) if r % 2 == 0 else (("on", on), ("off", off))
-                for name, server in order:
-                    results[name].append(one_run(server, requests, concurrency))
-            med = {name: {k: statistics.median(run[k] for run in runs) for k in ("tpot_ms_p50", "ttft_ms_p50")}
-                   for name, runs in results.items()}
-            rows.append((concurrency, n, med, traced.num_spans - spans_before))
-            print(f"  concurrency {concurrency:2d} ({n} streams x {args.rounds} rounds): "
-                  f"TPOT p50 off {med['off']['tpot_ms_p50']:.2f} ms, on {med['on']['tpot_ms_p50']:.2f} ms, "
-                  f"on/off {med['on']['tpot_ms_p50'] / med['off']['tpot_ms_p50']:.3f}; "
-                  f"TTFT p50 off {med['off']['ttft_ms_p50']:.1f} ms, on {med['on']['ttft_ms_p50']:.1f} ms, "
-                  f"on/off {med['on']['ttft_ms_p50'] / med['off']['ttft_ms_p50']:.3f}; "
-                  f"spans received {traced.num_spans - spans_before}", flush=True)
+    print(f"threads {args.threads}, load before {settings['loadavg_1m_before']}; {args.sets} set(s) of fresh server "
+          f"processes x {args.rounds} rounds per side, {args.max_new_tokens} output tokens per stream"
+          + ("; A/A: 'off2' is a third server with tracing off" if args.aa else ""))
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    results: dict[int, dict[str, list[dict]]] = {c: {} for c in concurrencies}
+    spans = {c: 0 for c in concurrencies}
+    for k in range(args.sets):
+        servers = start_servers(args, traced_url, stray_url, k)
+        with contextlib.ExitStack() as stack:
+            for server in servers.values():
+                stack.enter_context(server)
+            for server in servers.values():
+                one_run(server, [common.warmup_request(tokenizer)], 1)
+            for concurrency in concurrencies:
+                requests = common.quick_workload(tokenizer, n_streams(args, concurrency), args.max_new_tokens)
+                spans_before = traced.num_spans
+                names = list(servers)
+                for r in range(args.rounds):
+                    order = names[r % len(names):] + names[:r % len(names)]
+                    for name in order:
+                        results[concurrency].setdefault(name, []).append(
+                            one_run(servers[name], requests, concurrency))
+                spans[concurrency] += traced.num_spans - spans_before
+        print(f"  set {k + 1}/{args.sets} done", flush=True)
     traced.stop()
     stray.stop()
-    print(f"spans at the off server's OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: {stray.num_spans} (want 0)")
-    worst = max(abs(m["on"]["tpot_ms_p50"] / m["off"]["tpot_ms_p50"] - 1) for _, _, m, _ in rows)
+    worst = 0.0
+    for concurrency in concurrencies:
+        med = {name: {key: statistics.median(run[key] for run in runs) for key in ("tpot_ms_p50", "ttft_ms_p50")}
+               for name, runs in results[concurrency].items()}
+        line = (f"  concurrency {concurrency:2d} ({n_streams(args, concurrency)} streams x {args.sets * args.rounds}"
+                f" runs per side): TPOT p50 off {med['off']['tpot_ms_p50']:.2f} ms")
+        for name in [n for n in ("on", "off2") if n in med]:
+            line += (f", {name} {med[name]['tpot_ms_p50']:.2f} ms ({name}/off "
+                     f"{med[name]['tpot_ms_p50'] / med['off']['tpot_ms_p50']:.3f})")
+        line += f"; TTFT p50 off {med['off']['ttft_ms_p50']:.1f} ms"
+        for name in [n for n in ("on", "off2") if n in med]:
+            line += (f", {name} {med[name]['ttft_ms_p50']:.1f} ms ({name}/off "
+                     f"{med[name]['ttft_ms_p50'] / med['off']['ttft_ms_p50']:.3f})")
+        print(line + f"; spans received {spans[concurrency]}", flush=True)
+        worst = max(worst, abs(med["on"]["tpot_ms_p50"] / med["off"]["tpot_ms_p50"] - 1))
+    print(f"spans at the off servers' OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: {stray.num_spans} (want 0)")
     print(f"largest TPOT p50 difference on vs off: {worst * 100:.1f}% (bar: 3%)")
     return 0
+
+
+def n_streams(args, concurrency: int) -> int:
+    return args.requests or max(8, 8 * concurrency)
 
 
 if __name__ == "__main__":
