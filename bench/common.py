@@ -217,14 +217,16 @@ class ServerProcess:
         self.stop()
 
 
-async def _one_stream(client, request: BenchRequest, limiter: asyncio.Semaphore, cache_salt: str = "") -> StreamRecord:
+async def _one_stream(client, request: BenchRequest, limiter: asyncio.Semaphore, cache_salt: str = "",
+                      metadata=None) -> StreamRecord:
     async with limiter:
         start = time.perf_counter()
         first = None
         num_tokens = 0
         async for response in client.generate(prompt_token_ids=list(request.prompt_token_ids),
                                               max_tokens=request.max_new_tokens, temperature=0.0,
-                                              ignore_eos=True, cache_salt=cache_salt):
+                                              ignore_eos=True, cache_salt=cache_salt,
+                                              metadata=metadata() if metadata else None):
             if response.token_ids:
                 num_tokens += len(response.token_ids)
                 if first is None:
@@ -236,9 +238,11 @@ async def _one_stream(client, request: BenchRequest, limiter: asyncio.Semaphore,
 
 
 async def run_streams(target: str, requests: list[BenchRequest], concurrency: int,
-                      timeout_s: float = 3600.0, cache_salt: str = "") -> tuple[list[StreamRecord], float]:
+                      timeout_s: float = 3600.0, cache_salt: str = "",
+                      metadata=None) -> tuple[list[StreamRecord], float]:
     """Send every request as its own Generate stream on one channel, at most `concurrency` in flight.
-    ``cache_salt`` goes with every request (a new salt per run: no prefix-cache hits on an earlier run's blocks).
+    ``cache_salt`` goes with every request (a new salt per run: no prefix-cache hits on an earlier run's blocks);
+    ``metadata``, a function of no arguments, gives each call's extra gRPC metadata pairs (e.g. a traceparent).
 
     Returns (records in request order, wall seconds). Raises grpc.aio.AioRpcError on a failed call and
     RuntimeError when a stream returns a different number of tokens than asked.
@@ -248,7 +252,7 @@ async def run_streams(target: str, requests: list[BenchRequest], concurrency: in
     limiter = asyncio.Semaphore(concurrency)
     async with AsyncPagedServeClient(target, timeout_s=timeout_s) as client:
         start = time.perf_counter()
-        records = await asyncio.gather(*(_one_stream(client, r, limiter, cache_salt) for r in requests))
+        records = await asyncio.gather(*(_one_stream(client, r, limiter, cache_salt, metadata) for r in requests))
         wall_s = time.perf_counter() - start
     return list(records), wall_s
 

@@ -41,6 +41,25 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {key}"),) if key else None
 
 
+def call_metadata(base: tuple[tuple[str, str], ...] | None,
+                  extra: Iterable[tuple[str, str]] | None) -> tuple[tuple[str, str], ...] | None:
+    """The client's own metadata (``base``: the API key) and one call's ``extra`` pairs, e.g. W3C
+    ``("traceparent", "00-<trace id>-<span id>-01")`` to continue the caller's trace; None when both are empty.
+    Raises ValueError for a key that is not a lower-case string (gRPC's rule for metadata keys) or a value that is
+    not a string."""
+    pairs = list(extra or ())
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise ValueError(f"metadata: want (key, value) pairs, got {pair!r}")
+        key, value = pair
+        if not isinstance(key, str) or not key or key != key.lower():
+            raise ValueError(f"metadata: keys are non-empty lower-case strings, got {key!r}")
+        if not isinstance(value, str):
+            raise ValueError(f"metadata: the value of {key!r} must be a string, got {type(value).__name__}")
+    merged = tuple(base or ()) + tuple(pairs)
+    return merged or None
+
+
 def tls_credentials(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None):
     """grpc.ChannelCredentials for a TLS server: ``ca_file`` (PEM) to verify it (default: the system roots), and
     ``cert_file`` + ``key_file`` for a client certificate (mutual TLS). Raises OSError for an unreadable file,

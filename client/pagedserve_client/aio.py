@@ -47,14 +47,14 @@ class AsyncPagedServeClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout_s if timeout is _UNSET else timeout
 
-    def _call_options(self, timeout: float | None) -> dict:
-        """Deadline and metadata (the API key) of one InferenceService call."""
-        return {"timeout": self._timeout(timeout), "metadata": self._metadata}
+    def _call_options(self, timeout: float | None, metadata: Iterable[tuple[str, str]] | None = None) -> dict:
+        """Deadline and metadata (the API key, then ``metadata``) of one InferenceService call."""
+        return {"timeout": self._timeout(timeout), "metadata": _convert.call_metadata(self._metadata, metadata)}
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                  messages: Iterable[Message] | None = None, request_id: str = "", priority: int = 0,
                  cache_salt: str = "", timeout: float | None = _UNSET,
-                 **sampling: Any) -> AsyncResponseStream[pb.GenerateResponse]:
+                 metadata: Iterable[tuple[str, str]] | None = None, **sampling: Any) -> AsyncResponseStream[pb.GenerateResponse]:
         """Async-iterate the GenerateResponse messages of one prompt as the server produces them.
 
         Arguments as PagedServeClient.generate. aclose() on the returned stream (or
@@ -64,7 +64,7 @@ class AsyncPagedServeClient:
         request = _convert.generate_request(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                             request_id=request_id, priority=priority, cache_salt=cache_salt,
                                             **sampling)
-        return AsyncResponseStream(self.stub.Generate(request, **self._call_options(timeout)))
+        return AsyncResponseStream(self.stub.Generate(request, **self._call_options(timeout, metadata)))
 
     async def generate_text(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                             messages: Iterable[Message] | None = None, timeout: float | None = _UNSET,

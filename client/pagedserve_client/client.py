@@ -50,26 +50,29 @@ class PagedServeClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout_s if timeout is _UNSET else timeout
 
-    def _call_options(self, timeout: float | None) -> dict:
-        """Deadline and metadata (the API key) of one InferenceService call."""
-        return {"timeout": self._timeout(timeout), "metadata": self._metadata}
+    def _call_options(self, timeout: float | None, metadata: Iterable[tuple[str, str]] | None = None) -> dict:
+        """Deadline and metadata (the API key, then ``metadata``) of one InferenceService call."""
+        return {"timeout": self._timeout(timeout), "metadata": _convert.call_metadata(self._metadata, metadata)}
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                  messages: Iterable[Message] | None = None, request_id: str = "", priority: int = 0,
                  cache_salt: str = "", timeout: float | None = _UNSET,
-                 **sampling: Any) -> ResponseStream[pb.GenerateResponse]:
+                 metadata: Iterable[tuple[str, str]] | None = None, **sampling: Any) -> ResponseStream[pb.GenerateResponse]:
         """Stream the GenerateResponse messages of one prompt as the server produces them.
 
         Exactly one of prompt / prompt_token_ids / messages; `sampling` takes sampling_params()'s keywords
         (max_tokens, temperature, top_p, top_k, min_p, seed, stop, n, logprobs, ...) and tools / tool_choice /
         parallel_tool_calls in OpenAI's shapes (calls come back in GenerateResponse.tool_calls). close() on the returned
-        stream (or `with`) cancels the RPC, and the server aborts the request. Raises ValueError/TypeError for bad
-        arguments before any call, grpc.RpcError while iterating.
+        stream (or `with`) cancels the RPC, and the server aborts the request. `metadata`: (key, value) pairs sent
+        with this call after the API key's, e.g. W3C `("traceparent", ...)` / `("tracestate", ...)` so the server's
+        span joins the caller's trace (`--otlp-traces-endpoint`), or the header a `--fair-share-by header:NAME`
+        server reads the caller from. Raises ValueError/TypeError for bad arguments (a metadata key that is not
+        lower case included) before any call, grpc.RpcError while iterating.
         """
         request = _convert.generate_request(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                             request_id=request_id, priority=priority, cache_salt=cache_salt,
                                             **sampling)
-        call = self.stub.Generate(request, **self._call_options(timeout))
+        call = self.stub.Generate(request, **self._call_options(timeout, metadata))
         return ResponseStream(call)
 
     def generate_text(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,

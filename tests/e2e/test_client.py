@@ -38,6 +38,7 @@ class FakeInferenceServicer(pb_grpc.InferenceServiceServicer):
 
     def reset(self) -> None:
         self.requests: dict[str, list] = collections.defaultdict(list)
+        self.metadata: dict[str, list[dict]] = collections.defaultdict(list)   # each call's invocation metadata
         self.fail_next: collections.Counter = collections.Counter()  # method -> UNAVAILABLE answers to give
         self.first_delta_flushed = threading.Event()  # set by the test's stdout when "Hel" is flushed
         self.saw_flush: bool | None = None
@@ -45,6 +46,7 @@ class FakeInferenceServicer(pb_grpc.InferenceServiceServicer):
 
     def _enter(self, method: str, request, context) -> None:
         self.requests[method].append(request)
+        self.metadata[method].append(dict(context.invocation_metadata()))
         if self.fail_next[method] > 0:
             self.fail_next[method] -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "fake: try again")
@@ -177,6 +179,33 @@ def test_generate_input_checks_happen_before_any_call(target, fake):
             client.generate_text("a", n=2)
         client.generate("", prompt_token_ids=None).close()
     assert len(fake.requests["Generate"]) <= 1  # only the empty-prompt call may reach the server
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_generate_sends_the_calls_metadata_after_the_api_key(target, fake):
+    with PagedServeClient(target, timeout_s=10, api_key="k1") as client:
+        list(client.generate("hi", metadata=[("traceparent", TRACEPARENT), ("x-caller", "team-a")]))
+        client.generate_text("hi", metadata=(("tracestate", "vendor=1"),))
+        list(client.generate("hi"))
+        for bad, match in (([("TraceParent", "x")], "lower-case"), ([("x-n", 3)], "must be a string"),
+                           (["traceparent"], "pairs")):
+            with pytest.raises(ValueError, match=match):
+                client.generate("hi", metadata=bad)
+
+    async def aio():
+        async with AsyncPagedServeClient(target, timeout_s=10) as client:
+            async for _ in client.generate("hi", metadata=[("traceparent", TRACEPARENT)]):
+                pass
+
+    asyncio.run(aio())
+    first, second, third, fourth = fake.metadata["Generate"]   # the refused metadata never reached the server
+    assert first["traceparent"] == TRACEPARENT and first["x-caller"] == "team-a"
+    assert first["authorization"] == "Bearer k1"
+    assert second["tracestate"] == "vendor=1" and second["authorization"] == "Bearer k1"
+    assert "traceparent" not in third and third["authorization"] == "Bearer k1"
+    assert fourth["traceparent"] == TRACEPARENT and "authorization" not in fourth
 
 
 def test_unary_methods_and_presence(target, fake):
