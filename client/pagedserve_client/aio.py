@@ -54,7 +54,8 @@ class AsyncPagedServeClient:
     def generate(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                  messages: Iterable[Message] | None = None, request_id: str = "", priority: int = 0,
                  cache_salt: str = "", timeout: float | None = _UNSET,
-                 metadata: Iterable[tuple[str, str]] | None = None, **sampling: Any) -> AsyncResponseStream[pb.GenerateResponse]:
+                 metadata: Iterable[tuple[str, str]] | None = None,
+                 **sampling: Any) -> AsyncResponseStream[pb.GenerateResponse]:
         """Async-iterate the GenerateResponse messages of one prompt as the server produces them.
 
         Arguments as PagedServeClient.generate. aclose() on the returned stream (or

@@ -57,7 +57,8 @@ class PagedServeClient:
     def generate(self, prompt: str | None = None, *, prompt_token_ids: Iterable[int] | None = None,
                  messages: Iterable[Message] | None = None, request_id: str = "", priority: int = 0,
                  cache_salt: str = "", timeout: float | None = _UNSET,
-                 metadata: Iterable[tuple[str, str]] | None = None, **sampling: Any) -> ResponseStream[pb.GenerateResponse]:
+                 metadata: Iterable[tuple[str, str]] | None = None,
+                 **sampling: Any) -> ResponseStream[pb.GenerateResponse]:
         """Stream the GenerateResponse messages of one prompt as the server produces them.
 
         Exactly one of prompt / prompt_token_ids / messages; `sampling` takes sampling_params()'s keywords
