@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -217,8 +218,11 @@ class ServerProcess:
         self.stop()
 
 
+CallMetadata = Callable[[], list[tuple[str, str]]]   # makes one call's extra gRPC metadata pairs
+
+
 async def _one_stream(client, request: BenchRequest, limiter: asyncio.Semaphore, cache_salt: str = "",
-                      metadata=None) -> StreamRecord:
+                      metadata: CallMetadata | None = None) -> StreamRecord:
     async with limiter:
         start = time.perf_counter()
         first = None
@@ -239,7 +243,7 @@ async def _one_stream(client, request: BenchRequest, limiter: asyncio.Semaphore,
 
 async def run_streams(target: str, requests: list[BenchRequest], concurrency: int,
                       timeout_s: float = 3600.0, cache_salt: str = "",
-                      metadata=None) -> tuple[list[StreamRecord], float]:
+                      metadata: CallMetadata | None = None) -> tuple[list[StreamRecord], float]:
     """Send every request as its own Generate stream on one channel, at most `concurrency` in flight.
     ``cache_salt`` goes with every request (a new salt per run: no prefix-cache hits on an earlier run's blocks);
     ``metadata``, a function of no arguments, gives each call's extra gRPC metadata pairs (e.g. a traceparent).

@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     spans = {c: 0 for c in concurrencies}
     for k in range(args.sets):
         servers = start_servers(args, traced_url, stray_url, k)
+        names = [side for side, (server, _) in SIDES.items() if server in servers]   # the sides these servers take
         with contextlib.ExitStack() as stack:
             for server in servers.values():
                 stack.enter_context(server)
@@ -110,7 +111,6 @@ def main(argv=None) -> int:
             for concurrency in concurrencies:
                 requests = common.quick_workload(tokenizer, n_streams(args, concurrency), args.max_new_tokens)
                 spans_before = traced.num_spans
-                names = [side for side, (server, _) in SIDES.items() if server in servers]
                 for r in range(args.rounds):
                     order = names[r % len(names):] + names[:r % len(names)]
                     for name in order:
@@ -125,14 +125,14 @@ def main(argv=None) -> int:
     for concurrency in concurrencies:
         med = {name: {key: statistics.median(run[key] for run in runs) for key in ("tpot_ms_p50", "ttft_ms_p50")}
                for name, runs in results[concurrency].items()}
-        line = (f"  concurrency {concurrency:2d} ({n_streams(args, concurrency)} streams x {args.sets * args.rounds}"
-                f" runs per side): TPOT p50 off {med['off']['tpot_ms_p50']:.2f} ms")
+        parts = []
         for key, unit, fmt in (("tpot_ms_p50", "TPOT", ".2f"), ("ttft_ms_p50", "TTFT", ".1f")):
-            line += f"; {unit} p50 off {med['off'][key]:{fmt}} ms" if unit == "TTFT" else ""
+            part = f"{unit} p50 off {med['off'][key]:{fmt}} ms"
             for name in [n for n in ("on", "unsampled", "off2") if n in med]:
-                line += f", {name} {med[name][key]:{fmt}} ms ({name}/off {med[name][key] / med['off'][key]:.3f})"
-            line += f", on/unsampled {med['on'][key] / med['unsampled'][key]:.3f}"
-        print(line + f"; spans received {spans[concurrency]}", flush=True)
+                part += f", {name} {med[name][key]:{fmt}} ms ({name}/off {med[name][key] / med['off'][key]:.3f})"
+            parts.append(part + f", on/unsampled {med['on'][key] / med['unsampled'][key]:.3f}")
+        print(f"  concurrency {concurrency:2d} ({n_streams(args, concurrency)} streams x {args.sets * args.rounds} "
+              f"runs per side): {'; '.join(parts)}; spans received {spans[concurrency]}", flush=True)
         worst = max(worst, abs(med["on"]["tpot_ms_p50"] / med["unsampled"]["tpot_ms_p50"] - 1))
     print(f"spans at the off servers' OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: {stray.num_spans} (want 0)")
     print(f"largest TPOT p50 difference on vs unsampled (one process): {worst * 100:.1f}% (bar: 3%)")

@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 import types
-import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "service"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -37,6 +36,7 @@ from otlp_collector import OtlpCollector  # noqa: E402
 from pagedserve.engine.timings import TimingRecorder  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.serving.tracing import Tracing  # noqa: E402
+from tracing_ab import traceparent  # noqa: E402  (the served comparison's caller context)
 
 
 def export_threads_cpu_s() -> float:
@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0)
     recorder = TimingRecorder()
     call_s = step_s = flush_s = 0.0
+    step_seconds = args.step_ms / 1e3   # the engine times the fake steps say (TimingRecorder only stores them)
     steps = 0
     export_before = export_threads_cpu_s()
     for batch in range(0, args.calls, args.running):
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         t0 = time.thread_time()
         traces, requests = [], []
         for i in range(n):
-            carrier = {"traceparent": f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01"}
+            carrier = dict(traceparent(sampled=True))
             with tracing.traced(carrier, "pagedserve.v1.InferenceService/Generate",
                                 {"rpc.system": "grpc"}) as trace:
                 trace.describe("text_completion", "SmolLM2-135M-Instruct", params)
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
                 r.num_output_tokens += 1
                 r.is_finished = k == args.output_tokens - 1
             t0 = time.thread_time()
-            recorder.on_step(now + k * 0.024, now + (k + 1) * 0.024, composition)
+            recorder.on_step(now + k * step_seconds, now + (k + 1) * step_seconds, composition)
             step_s += time.thread_time() - t0
             steps += 1
         t0 = time.thread_time()

@@ -4,19 +4,15 @@ caller's error and success do not; for the gRPC adapter (grpc_api.interceptors.T
 from __future__ import annotations
 
 import asyncio
-import sys
 import uuid
-from pathlib import Path
 
 import grpc
 import pytest
+from otlp_collector import OtlpCollector, attributes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from otlp_collector import OtlpCollector, attributes  # noqa: E402
-
-from pagedserve.grpc_api.interceptors import TracingInterceptor  # noqa: E402
-from pagedserve.http.tracing import TracingMiddleware  # noqa: E402
-from pagedserve.serving.tracing import Tracing  # noqa: E402
+from pagedserve.grpc_api.interceptors import TracingInterceptor
+from pagedserve.http.tracing import TracingMiddleware
+from pagedserve.serving.tracing import Tracing
 
 STATUS_CODE_ERROR = 2   # OTLP Status.code
 
