@@ -110,3 +110,58 @@ def test_padding_rows_are_zero_and_bad_starts_refused(context):
         torch.ops.pagedserve_cpu.paged_attention(q[:8].contiguous(), k, v, table, _i32(0, 8), _i32(5), 0.125)
     with pytest.raises(RuntimeError, match="query_start_loc"):
         torch.ops.pagedserve_cpu.paged_attention(q[:8].contiguous(), k, v, table, _i32(1, 8), _i32(8), 0.125)
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request):
+    """Each test once on the CPU's own code and once on the AVX2 code (the 8-lane build every x86-64 CPU with AVX2
+    runs; on an AVX-512 CPU the native code is the 16-lane build for prefill tiles)."""
+    previous = torch.ops.pagedserve_cpu.paged_attention_use_avx2(request.param == "avx2")
+    yield request.param
+    torch.ops.pagedserve_cpu.paged_attention_use_avx2(previous)
+
+
+# (query heads, KV heads, head_dim): query heads per KV head 1, 3, 4, 7, 8 and 10 (a decode's lanes in two tiles),
+# head dims that are and are not a multiple of the value chunk
+SHAPES = [(4, 4, 64), (9, 3, 64), (8, 2, 128), (14, 2, 80), (16, 2, 64), (20, 2, 48)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}-kv{s[1]}-d{s[2]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_equal_prefill_rows_for_every_head_grouping(isa, shape, dtype):
+    """A decode row (keys in the vector lanes, rows copied) gives the bits of the same row in a prefill chunk (heads
+    in the lanes), for every query-heads-per-KV-head grouping and head dim, alone and among other decodes."""
+    h, hkv, d = shape
+    ctx = 300
+    gen = torch.Generator().manual_seed(5)
+    blocks = -(-ctx // BS)
+    k, v = (torch.randn(blocks + 3, BS, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(blocks + 3, generator=gen)[:blocks].to(torch.int32)[None]
+    q = torch.randn(ctx, h, d, generator=gen)
+    whole = torch.ops.pagedserve_cpu.paged_attention(q, k, v, table, _i32(0, ctx), _i32(ctx), 0.125)
+    positions = (0, 7, 8, 255, 256, ctx - 1)
+    rows = torch.ops.pagedserve_cpu.paged_decode_attention(
+        q[list(positions)].contiguous(), k, v, table.expand(len(positions), -1).contiguous(),
+        _i32(*(p + 1 for p in positions)), 0.125)
+    for i, pos in enumerate(positions):
+        assert torch.equal(rows[i], whole[pos]), f"decode at {pos} among others"
+        alone = torch.ops.pagedserve_cpu.paged_decode_attention(q[pos:pos + 1].contiguous(), k, v, table,
+                                                                _i32(pos + 1), 0.125)
+        assert torch.equal(alone[0], whole[pos]), f"decode at {pos} alone"
+
+
+def test_avx2_code_gives_the_avx512_codes_values(context):
+    """Where the CPU has AVX-512, its 16-lane code and the AVX2 code give the same bits (prefill chunks and decodes)."""
+    if torch.ops.pagedserve_cpu.paged_attention_lanes() != 16:
+        pytest.skip("no AVX-512: only the AVX2 code runs here")
+    k, v, table, q = context
+    calls = [lambda: _prefill(q, k, v, table, 0, CTX), lambda: _prefill(q, k, v, table, 500, CTX, window=40),
+             lambda: _decode(q, k, v, table, CTX - 1), lambda: _decode(q, k, v, table, 300, softcap=2.0)]
+    native = [call() for call in calls]
+    previous = torch.ops.pagedserve_cpu.paged_attention_use_avx2(True)
+    try:
+        assert torch.ops.pagedserve_cpu.paged_attention_lanes() == 8
+        avx2 = [call() for call in calls]
+    finally:
+        torch.ops.pagedserve_cpu.paged_attention_use_avx2(previous)
+    assert all(torch.equal(a, b) for a, b in zip(native, avx2))

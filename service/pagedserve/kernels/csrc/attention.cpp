@@ -74,9 +74,11 @@ struct Avx2Lanes {
 
 #define VT Avx2Lanes
 #define PAGEDSERVE_LANES_NS lanes8
+#define PAGEDSERVE_LANES_REGS 16
 #include "attention_lanes.hpp"
 #undef VT
 #undef PAGEDSERVE_LANES_NS
+#undef PAGEDSERVE_LANES_REGS
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
@@ -136,19 +138,25 @@ struct Avx512Lanes {
 
 #define VT Avx512Lanes
 #define PAGEDSERVE_LANES_NS lanes16
+#define PAGEDSERVE_LANES_REGS 32
 #include "attention_lanes.hpp"
 #undef VT
 #undef PAGEDSERVE_LANES_NS
+#undef PAGEDSERVE_LANES_REGS
 
 #pragma GCC pop_options
 
 namespace {
 
-bool attention_avx512() {
+bool cpu_has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return yes;
 }
+
+std::atomic<bool> g_avx2_only{false};   // paged_attention_use_avx2: the AVX2 code even where AVX-512 is present
+
+bool attention_avx512() { return cpu_has_avx512() && !g_avx2_only.load(std::memory_order_relaxed); }
 
 // The rows of one call: row r belongs to sequence row_seq[r] and sits at absolute position row_pos[r] (rows of a
 // sequence consecutive); a row with row_seq -1 is padding (output zeros).
@@ -172,6 +180,7 @@ std::vector<Tile> make_tiles(const RowPlan& rows, int64_t H, int64_t Hkv, int64_
         t.kvh = kvh;
         t.key_lo = INT64_MAX;
         t.key_hi = 0;
+        t.one_row = r1 - r0 == 1;
         for (int64_t r = r0; r < r1; ++r)
           for (int64_t g = g0; g < std::min(G, g0 + heads_per_tile); ++g) {
             const int64_t l = t.lanes++, hi = rows.pos[r] + 1, lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
@@ -264,6 +273,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 }  // namespace
 
 int64_t paged_attention_lanes() { return attention_avx512() ? 16 : 8; }
+
+bool paged_attention_use_avx2(bool avx2_only) { return g_avx2_only.exchange(avx2_only); }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,

@@ -23,27 +23,45 @@ using V = VT::V;
 constexpr int W = VT::W;
 constexpr int kMaxVecs = VT::kMaxVecs;   // vectors of lanes per tile at most (prefill tiles; a decode tile has one)
 constexpr int kMaxLanes = kMaxVecs * W;
+constexpr int kRegs = PAGEDSERVE_LANES_REGS;   // vector registers the target has (16 for AVX2, 32 with AVX-512)
 
 // One tile: up to kMaxLanes lanes (NV = ceil(lanes / W) vectors of them), their key bounds.
 struct Tile {
   int64_t seq, kvh, lanes;
   int64_t key_lo, key_hi;   // the union of the lanes' key ranges
+  bool one_row;             // every lane of one query row (then every lane has [key_lo, key_hi))
   int64_t out_row[kMaxLanes], out_head[kMaxLanes];
   alignas(64) float lo[kMaxLanes];   // per lane; unused lanes have lo = hi = 0 (every key masked)
   alignas(64) float hi[kMaxLanes];
 };
 
-// Rows of keys [j0, j1) of the tile's KV head as float32 pointers: into the cache for float32, else widened into buf.
+// Rows of keys [j0, j1) of the tile's KV head as float32 pointers: into the cache for float32 unless `copy`, else
+// widened (or copied) into buf, the next block's rows asked for meanwhile (a sequence's blocks are scattered, so the
+// hardware prefetcher cannot follow a block table). Walked block by block (one table lookup and no division per key).
 template <class C>
 void key_rows(const AttnArgs<C>& a, const C* cache, const Tile& t, int64_t j0, int64_t j1, float* buf,
-              const float** rows) {
+              const float** rows, bool copy = false) {
   const int32_t* table = a.tables + t.seq * a.max_blocks;
-  for (int64_t j = j0; j < j1; ++j) {
-    const C* src = cache + ((static_cast<int64_t>(table[j / a.block_size]) * a.block_size + j % a.block_size) * a.Hkv +
-                            t.kvh) * a.D;
-    if constexpr (std::is_same_v<C, float>) {
-      rows[j - j0] = src;
-    } else {
+  const int64_t stride = a.Hkv * a.D;
+  copy = copy || !std::is_same_v<C, float>;
+  constexpr int64_t kAheadBlocks = 2;
+  for (int64_t j = j0; j < j1;) {
+    const int64_t b = j / a.block_size, end = std::min(j1, (b + 1) * a.block_size);
+    const C* src = cache + (static_cast<int64_t>(table[b]) * a.block_size + (j - b * a.block_size)) * stride +
+                   t.kvh * a.D;
+    if (!copy) {
+      for (; j < end; ++j, src += stride) rows[j - j0] = reinterpret_cast<const float*>(src);
+      continue;
+    }
+    for (int64_t pb = (j == j0 ? b + 1 : b + kAheadBlocks); pb <= b + kAheadBlocks; ++pb) {
+      const int64_t p0 = pb * a.block_size;
+      if (p0 >= j1) break;
+      const C* nxt = cache + static_cast<int64_t>(table[pb]) * a.block_size * stride + t.kvh * a.D;
+      for (int64_t i = 0; i < std::min<int64_t>(a.block_size, j1 - p0); ++i)
+        for (int64_t d = 0; d < a.D; d += 64 / sizeof(C))
+          _mm_prefetch(reinterpret_cast<const char*>(nxt + i * stride + d), _MM_HINT_T0);
+    }
+    for (; j < end; ++j, src += stride) {
       float* dst = buf + (j - j0) * a.D;
       for (int64_t d = 0; d < a.D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
       rows[j - j0] = dst;
@@ -107,30 +125,7 @@ inline void pv_slab(const float* p, const float* const* rows, int64_t n, int64_t
     for (int v = 0; v < NV; ++v) VT::store(o + ((d0 + i) * NV + v) * W, acc[i][v]);
 }
 
-// pv_slab's values for a tile of one vector of lanes computed with the head dimension in the lanes instead (a decode
-// tile uses few of its lanes): per lane l and d, the same fma chain over the keys in order, fma(p_j, v_j[d], acc)
-// from 0, so the same bits; written to o[d * W + l] as pv_slab does. D a multiple of 8; 8 floats per step.
-inline void pv_by_dim(const float* p, const float* const* rows, int64_t n, int64_t D, int64_t lanes, float* o) {
-  alignas(64) float col[8];
-  for (int64_t l = 0; l < lanes; ++l)
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {   // up to 8 vectors of 8 dimensions in registers
-      const int64_t nv = std::min<int64_t>(8, (D - d0) / 8);
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 pj = _mm256_set1_ps(p[j * W + l]);
-        const float* r = rows[j] + d0;
-        for (int i = 0; i < 8; ++i)
-          if (i < nv) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8 * i), acc[i]);
-      }
-      for (int64_t i = 0; i < nv; ++i) {
-        _mm256_storeu_ps(col, acc[i]);
-        for (int k = 0; k < 8; ++k) o[(d0 + 8 * i + k) * W + l] = col[k];
-      }
-    }
-  for (int64_t d = 0; d < D; ++d)   // lanes past the tile's: zeros, as pv_slab leaves them (their p are 0)
-    for (int64_t l = lanes; l < W; ++l) o[d * W + l] = 0.0f;
-}
+#include "attention_decode.hpp"   // scores_by_key, pv_by_dim: the decode tiles
 
 // Per-thread buffers for one tile's split.
 struct Scratch {
@@ -155,8 +150,11 @@ void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, flo
     std::fill_n(o, a.D * NV * W, 0.0f);
     return;
   }
-  key_rows(a, a.k, t, j0, j1, w.kbuf.data(), w.krows.data());
-  scores<NV>(w.qt.data(), a.D, w.krows.data(), n, j0, t, a.scale, a.softcap, w.sc.data());
+  // a decode tile (one row, its lanes the query heads of the KV head): keys in the vector lanes, rows copied
+  const bool by_key = NV == 1 && t.one_row && t.lanes <= 8;
+  key_rows(a, a.k, t, j0, j1, w.kbuf.data(), w.krows.data(), by_key);
+  if (by_key) scores_by_key(t.lanes, w.qt.data(), a.D, w.krows.data(), n, a.scale, a.softcap, w.sc.data());
+  else scores<NV>(w.qt.data(), a.D, w.krows.data(), n, j0, t, a.scale, a.softcap, w.sc.data());
   float* sc = w.sc.data();
   for (int v = 0; v < NV; ++v) {
     V mx = VT::set1(-INFINITY);
@@ -171,7 +169,7 @@ void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, flo
     VT::store(m + v * W, mx);
     VT::store(l + v * W, sum);
   }
-  key_rows(a, a.v, t, j0, j1, w.vbuf.data(), w.vrows.data());
+  key_rows(a, a.v, t, j0, j1, w.vbuf.data(), w.vrows.data(), by_key);
   if (NV == 1 && t.lanes * 2 <= W) {   // a decode tile: half of the lanes or fewer in use
     pv_by_dim(sc, w.vrows.data(), n, a.D, t.lanes, o);
     return;

@@ -14,7 +14,8 @@
 //   linear_amx.cpp     linear_q4_amx (linear_q4_a8's function on AMX tiles), linear_amx_available
 //   linear_vnni.cpp    pack_q4_vnni, linear_q4_vnni (int8 activations at decode on AVX-512 VNNI, 16-row panels)
 //   dequant.cpp        dequantize_q4, dequantize_q8 (weights to float32 for the BLAS GEMM of long prefill chunks)
-//   attention.cpp      paged_attention, paged_decode_attention (batch-invariant; body in attention_lanes.hpp)
+//   attention.cpp      paged_attention, paged_decode_attention (batch-invariant; body in attention_lanes.hpp, decode
+//                      tiles' helpers in attention_decode.hpp)
 //   cache.cpp          reshape_and_cache (KV write)
 //   elementwise.cpp    rms_norm, rotary_embedding, silu_and_mul
 //   decode_stack.cpp   llama_decode_layers (a decode-only step's decoder stack in one call, over the ops above)
@@ -58,6 +59,7 @@ at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scale, const
 at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size);
 
 int64_t paged_attention_lanes();   // 16 (AVX-512F) or 8 (AVX2): the vector width paged_attention runs on
+bool paged_attention_use_avx2(bool avx2_only);   // run the AVX2 code everywhere (tests: its values); -> previous
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale, int64_t sliding_window = 0,
