@@ -31,6 +31,29 @@ class _Uvicorn(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port's socket: bound to ``host``:``port`` (0: a free one), listening, non-blocking, with TCP_NODELAY,
+    which the connections it accepts inherit. Without it a stream's small SSE writes on a kept-alive connection wait
+    for the client's delayed ACK (Nagle's algorithm): with vLLM's `bench serve` client on one stream the first 7-8
+    chunks arrived together, 40-80 ms after the first token was made.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 class HttpServer:
     """The HTTP API of one server process.
 
@@ -58,17 +81,7 @@ class HttpServer:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port. Raises OSError when it cannot be bound."""
-        host, port = self.config.host, self.config.http_port
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            raise
-        sock.listen(2048)
-        sock.setblocking(False)
+        sock = listening_socket(self.config.host, self.config.http_port)
         self._socket = sock
         self._main = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
