@@ -1,6 +1,6 @@
 """The CPU paged decode-attention kernel (kernels/csrc/attention_lanes.hpp) at decode batches, side by side in one
 process with torch SDPA over the same K/V gathered dense through the block tables (the baseline), and, on an
-AVX-512 CPU, with the kernel's AVX2 code (``paged_attention_use_avx2``: what an AVX2-only CPU runs; same values).
+AVX-512 CPU, with the kernel's AVX2 code (``paged_attention_avx512`` off: what an AVX2-only CPU runs; same values).
 
     .venv/bin/python bench/cpu_decode_attention.py [--threads 2] [--layers 8] [--repeats 5]
         [--cases 1x4096 8x1024 32x300 32x1024] [--dtypes float32 bfloat16]
@@ -75,12 +75,13 @@ def sdpa(case: dict) -> list[torch.Tensor]:
 
 
 def avx2_code(case: dict) -> list[torch.Tensor]:
-    use_avx2 = torch.ops.pagedserve_cpu.paged_attention_use_avx2
-    previous = use_avx2(True)
+    """kernel() on the AVX2 code (paged_attention_avx512 off), the AVX-512 code turned back on after."""
+    switch = torch.ops.pagedserve_cpu.paged_attention_avx512
+    switch(0)
     try:
         return kernel(case)
     finally:
-        use_avx2(previous)
+        switch(1)
 
 
 def timed(fn, case: dict) -> float:

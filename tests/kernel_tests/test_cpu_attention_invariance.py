@@ -4,10 +4,13 @@ at a time, beside other sequences or alone, on one thread or two, with its conte
 in turn; for every KV cache dtype, with sliding windows, soft-capping and sinks. And it stays close to float64."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from pagedserve.attention.cpu import cpu_decode_kernel_available
+from support import kernel_switch
 
 pytestmark = pytest.mark.skipif(not cpu_decode_kernel_available(), reason="CPU kernels unavailable")
 
@@ -112,13 +115,11 @@ def test_padding_rows_are_zero_and_bad_starts_refused(context):
         torch.ops.pagedserve_cpu.paged_attention(q[:8].contiguous(), k, v, table, _i32(1, 8), _i32(8), 0.125)
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=["avx512", "avx2"])
 def isa(request):
-    """Each test once on the CPU's own code and once on the AVX2 code (the 8-lane build every x86-64 CPU with AVX2
-    runs; on an AVX-512 CPU the native code is the 16-lane build for prefill tiles)."""
-    previous = torch.ops.pagedserve_cpu.paged_attention_use_avx2(request.param == "avx2")
-    yield request.param
-    torch.ops.pagedserve_cpu.paged_attention_use_avx2(previous)
+    """Each test on the AVX-512 code (16 lanes for prefill tiles; skipped where the CPU lacks AVX-512) and on the AVX2
+    code (8 lanes: what every x86-64 CPU with AVX2 runs)."""
+    yield from kernel_switch(torch.ops.pagedserve_cpu.paged_attention_avx512, request.param == "avx512", "AVX-512")
 
 
 # (query heads, KV heads, head_dim): query heads per KV head 1, 3, 4, 7, 8 and 10 (a decode's lanes in two tiles),
@@ -152,16 +153,13 @@ def test_decode_rows_equal_prefill_rows_for_every_head_grouping(isa, shape, dtyp
 
 def test_avx2_code_gives_the_avx512_codes_values(context):
     """Where the CPU has AVX-512, its 16-lane code and the AVX2 code give the same bits (prefill chunks and decodes)."""
-    if torch.ops.pagedserve_cpu.paged_attention_lanes() != 16:
-        pytest.skip("no AVX-512: only the AVX2 code runs here")
+    switch = torch.ops.pagedserve_cpu.paged_attention_avx512
     k, v, table, q = context
     calls = [lambda: _prefill(q, k, v, table, 0, CTX), lambda: _prefill(q, k, v, table, 500, CTX, window=40),
              lambda: _decode(q, k, v, table, CTX - 1), lambda: _decode(q, k, v, table, 300, softcap=2.0)]
-    native = [call() for call in calls]
-    previous = torch.ops.pagedserve_cpu.paged_attention_use_avx2(True)
-    try:
-        assert torch.ops.pagedserve_cpu.paged_attention_lanes() == 8
-        avx2 = [call() for call in calls]
-    finally:
-        torch.ops.pagedserve_cpu.paged_attention_use_avx2(previous)
-    assert all(torch.equal(a, b) for a, b in zip(native, avx2))
+    runs = {}
+    for on in (True, False):
+        with contextlib.contextmanager(kernel_switch)(switch, on, "AVX-512"):
+            assert torch.ops.pagedserve_cpu.paged_attention_lanes() == (16 if on else 8)
+            runs[on] = [call() for call in calls]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))

@@ -154,9 +154,9 @@ bool cpu_has_avx512() {
   return yes;
 }
 
-std::atomic<bool> g_avx2_only{false};   // paged_attention_use_avx2: the AVX2 code even where AVX-512 is present
+std::atomic<bool> g_avx512_on{true};   // paged_attention_avx512: off runs the AVX2 code where AVX-512 is present
 
-bool attention_avx512() { return cpu_has_avx512() && !g_avx2_only.load(std::memory_order_relaxed); }
+bool attention_avx512() { return cpu_has_avx512() && g_avx512_on.load(std::memory_order_relaxed); }
 
 // The rows of one call: row r belongs to sequence row_seq[r] and sits at absolute position row_pos[r] (rows of a
 // sequence consecutive); a row with row_seq -1 is padding (output zeros).
@@ -274,7 +274,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 int64_t paged_attention_lanes() { return attention_avx512() ? 16 : 8; }
 
-bool paged_attention_use_avx2(bool avx2_only) { return g_avx2_only.exchange(avx2_only); }
+bool paged_attention_avx512(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "mode must be -1 (query), 0 (off) or 1 (on where the CPU has AVX-512)");
+  if (mode >= 0) g_avx512_on.store(mode == 1, std::memory_order_relaxed);
+  return attention_avx512();
+}
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,

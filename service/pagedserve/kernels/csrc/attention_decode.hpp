@@ -99,7 +99,7 @@ inline void pv_by_dim_chunk(const float* p, const float* const* rows, int64_t n,
 
 template <int NH>
 inline void pv_by_dim(const float* p, const float* const* rows, int64_t n, int64_t D, float* o) {
-  // NH * VC accumulators, VC value vectors and a broadcast p in the 16 registers
+  // NH * VC accumulators, VC value vectors and a broadcast p in the kRegs registers
   constexpr int VC = NH * 8 + 9 <= kRegs ? 8 : NH * 4 + 5 <= kRegs ? 4 : NH * 2 + 3 <= kRegs ? 2 : 1;
   int64_t d0 = 0;
   for (; d0 + 8 * VC <= D; d0 += 8 * VC) pv_by_dim_chunk<NH, VC>(p, rows, n, d0, D, o);

@@ -59,7 +59,7 @@ at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scale, const
 at::Tensor dequantize_q8(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size);
 
 int64_t paged_attention_lanes();   // 16 (AVX-512F) or 8 (AVX2): the vector width paged_attention runs on
-bool paged_attention_use_avx2(bool avx2_only);   // run the AVX2 code everywhere (tests: its values); -> previous
+bool paged_attention_avx512(int64_t mode);   // -1 query, 0 off (the AVX2 code), 1 on where the CPU has it; -> on
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& context_lens, double scale, int64_t sliding_window = 0,

@@ -11,7 +11,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
         "Tensor context_lens, float scale, int sliding_window=0, float softcap=0., Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_lanes() -> int", &paged_attention_lanes);
-  m.def("paged_attention_use_avx2(bool avx2_only) -> bool", &paged_attention_use_avx2);
+  m.def("paged_attention_avx512(int mode) -> bool", &paged_attention_avx512);   // no tensors: a catch-all kernel
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor codes, Tensor scale, Tensor min, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor codes, Tensor scale, int group_size, Tensor? bias) -> Tensor");
