@@ -74,9 +74,9 @@ class EngineConfig:
             (32, 64 or 128); GGUF blocks keep their own (32).
         linear_kernels: what runs the linears on CPU: "auto" (pagedserve's AVX2 kernels for float32, int4 and
             int8 weights, compiled with the system C++ compiler at first start and cached; torch's where the CPU
-            lacks AVX2/FMA or no compiler is found, with a log line; from 16 tokens, e.g. prefill, the int4/int8
-            linears quantize activations per token to int8 in blocks of 32 for integer dot products, as llama.cpp
-            does, in two levels: the residual again, so results stay within 0.1% top-1 of float32 activations),
+            lacks AVX2/FMA or no compiler is found, with a log line; at every call the int4/int8 linears quantize
+            activations per token in blocks of 32 for integer dot products, as llama.cpp does, but to 16 bits held
+            as two int8 digits, so results stay within 0.1% top-1 of float32 activations),
             "int8-activations" (one level, as llama.cpp: faster, about 3% of top-1 tokens differ),
             "float-activations" (the same kernels, activations always float32) or "torch" (torch's own).
         speculative_config: speculative decoding as vLLM's JSON, e.g. ``{"method": "ngram",

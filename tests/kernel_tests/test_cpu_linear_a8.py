@@ -37,17 +37,16 @@ EPS = torch.finfo(torch.float32).eps
 
 
 def _quantize_acts(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x^ in float64 [M, K], the last level's d per block [M, K // 32]) as the kernel rounds them: level 1
-    ``a * d``, level 2 adds the same quantization of level 1's float32 residual."""
+    """(x^ in float64 [M, K], the step d per block [M, K // 32]) as the kernel rounds them: one level ``a * d``
+    with ``d = max|x| / 127``; two levels ``Q * d`` with ``d = max|x| / 32512`` (the 16-bit value the two base-255
+    int8 digits spell, linear_a8.hpp)."""
     m, k = x.shape
-    xb, xq = x.view(m, k // 32, 32), torch.zeros(m, k // 32, 32, dtype=torch.float64)
-    for _ in range(levels):
-        amax = xb.abs().amax(-1, keepdim=True)
-        inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))   # float32, as in the kernel
-        a = torch.round(xb * inv)
-        d = amax / 127.0
-        xq += a.double() * d.double()
-        xb = torch.addcmul(xb, a, d, value=-1.0)   # the residual in float32 (one rounding, as the kernel's fnmadd)
+    xb = x.view(m, k // 32, 32)
+    qmax = 127.0 if levels == 1 else 32512.0
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(qmax) / amax, torch.zeros(()))   # float32, as in the kernel
+    d = amax / qmax
+    xq = torch.round(xb * inv).double() * d.double()
     return xq.view(m, k), d.squeeze(-1)
 
 

@@ -18,9 +18,10 @@ it, on any thread count (each kernel splits the work over output rows only and r
 schemes, by ``linear_kernels`` choice (EngineConfig.linear_kernels):
 
 - ``"auto"`` (the default): the quantized layers on int8 activations in two levels at every call: x quantized per
-  token in blocks of 32 (ggml's Q8_1: ``d = max|x| / 127``, ``a = round(x / d)``), the residual ``x - a * d``
-  quantized again the same way, both multiplied with exact integer dot products, and per block of 32 the float terms
-  added in one order (level 0, level 1, the q4 min term from the activations' block sums). The int4 layers run it on
+  token in blocks of 32 to 16 bits (``d = max|x| / 32512``, ``Q = round(x / d)``), written as two int8 digits in
+  base 255 (``Q = 255 * hi + lo``, csrc/linear_a8.hpp), each multiplied with exact integer dot products and the two
+  sums combined exactly in int32, and per block of 32 the float terms added in one order (the combined product,
+  then the q4 min term from the activations' block sums). The int4 layers run it on
   ``linear_q4_vnni`` where the CPU has AVX-512 VNNI (16-row panels packed once at load, one VPDPBUSD per 4 weights
   x 16 rows; the copy costs the layer's codes and scales once more, about 80 MB for the embedded model), else on
   ``linear_a8_packed`` (AVX2 maddubs or AVX-VNNI on 8-row panels packed once at load by
@@ -29,7 +30,7 @@ schemes, by ``linear_kernels`` choice (EngineConfig.linear_kernels):
   (tested; use_amx checks it again at load and keeps AMX off if not). int8 layers run ``linear_a8_packed`` on their
   8-row panels (``linear_q8_a8``'s function). float32 layers run ``linear_f32``.
   On the embedded model's 2,000-token teacher-forced text against float32 activations (tests/models/test_quant.py)
-  two levels agree on the top-1 token at 0.9995, perplexity +0.000%.
+  two levels agree on the top-1 token at 1.0000, perplexity +0.00%.
 - ``"int8-activations"``: one level (llama.cpp's numerics, the fastest; top-1 agreement 0.970, perplexity +0.25%).
 - ``"float-activations"``: float32 activations at every call (``linear_q4`` / ``linear_q8``: each weight row decoded
   into an L1 buffer, register tiles with k in the lanes): the float32 function of the quantized weights.

@@ -111,7 +111,7 @@ void panel_tokens(const uint8_t* codes, const float* dw, const float* mw, int64_
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   const float* s = q.s.data() + m * nb;
   const int8_t* a[2] = {q.a[0].data() + m * K, q.levels > 1 ? q.a[1].data() + m * K : nullptr};
-  const float* d[2] = {q.d[0].data() + m * nb, q.levels > 1 ? q.d[1].data() + m * nb : nullptr};
+  const float* d = q.d.data() + m * nb;
   if (q.vnni) {
     if (q.levels > 1) a8_tile_vnni<kQ4, T, 2>(codes, dw, mw, nb, a, K, d, s, nb, acc);
     else a8_tile_vnni<kQ4, T, 1>(codes, dw, mw, nb, a, K, d, s, nb, acc);

@@ -20,7 +20,7 @@ inline bool& a8_vnni_enabled() {
 template <bool kQ4, int T, int L>
 __attribute__((target("avx2,fma,avxvnni"), noinline)) void a8_tile_vnni(
     const uint8_t* codes, const float* dw, const float* mw, int64_t nb, const int8_t* const* a, int64_t lda,
-    const float* const* d, const float* s, int64_t ldd, __m256 acc[T]) {
+    const float* d, const float* s, int64_t ldd, __m256 acc[T]) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = codes + b * (kActBlock * kPanelRows);
     __m256i isum[L][T];
@@ -42,10 +42,9 @@ __attribute__((target("avx2,fma,avxvnni"), noinline)) void a8_tile_vnni(
     }
     const __m256 dwb = _mm256_loadu_ps(dw + b * kPanelRows);
     for (int t = 0; t < T; ++t) {
-      for (int l = 0; l < L; ++l) {
-        const __m256 scale = _mm256_mul_ps(dwb, _mm256_broadcast_ss(d[l] + t * ldd + b));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[l][t]), scale, acc[t]);
-      }
+      const __m256i i32 = L > 1 ? two_digits(isum[0][t], isum[L - 1][t]) : isum[0][t];
+      const __m256 scale = _mm256_mul_ps(dwb, _mm256_broadcast_ss(d + t * ldd + b));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), scale, acc[t]);
       if constexpr (kQ4)
         acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b * kPanelRows), _mm256_broadcast_ss(s + t * ldd + b), acc[t]);
     }

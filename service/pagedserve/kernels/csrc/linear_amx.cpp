@@ -4,7 +4,8 @@
 // 16 x 16 int32 sums (tile C): 8,192 multiply-adds in one instruction, against 32 per vpdpbusd. The scales differ
 // per block of 32 (weights: per row; activations: per token), so every block's sums are stored and added into
 // float32 accumulators (16 rows x 16 tokens in 16 zmm registers) with the product of the two scales, plus the q4
-// min term from the activations' block sums, in linear_a8.hpp's tile's order per block (level 0, level 1, min term).
+// min term from the activations' block sums, in linear_a8.hpp's tile's order per block (the levels' combined integer
+// sum, then the min term).
 // The integer sums are exact, so it equals linear_q4_a8 and linear_q4_vnni bit for bit, one level or two (the engine
 // checks this once at load before it lets AMX take a call: models/cpu_linear.py, use_amx).
 //
@@ -56,7 +57,7 @@ bool amx_supported() {
 
 struct GroupTiles {   // one group of 16 tokens, ready for the tiles
   const int8_t* b[2];     // per level: nb B tiles, each [8 steps][16 tokens][4]
-  const float* d[2];      // [nb][16]: level 1's token scales d0; level 2's d1 / d0
+  const float* d;         // [nb][16] block scales
   const float* s;         // [nb][16] block sums
 };
 
@@ -68,17 +69,16 @@ class PackedActs {
   PackedActs(const float* x, int64_t M, int64_t K, int levels)
       : levels_(levels), nb_(K / kActBlock), groups_((M + kAmxTokens - 1) / kAmxTokens),
         tiles_(new int8_t[groups_ * levels * nb_ * kTileBytes]),
-        scales_(new float[groups_ * (levels + 1) * nb_ * kAmxTokens]) {   // uninitialized: every entry is written
+        scales_(new float[groups_ * 2 * nb_ * kAmxTokens]) {   // uninitialized: every entry is written
     at::parallel_for(0, groups_, 1, [&](int64_t begin, int64_t end) {
       std::vector<int8_t> row(2 * K);
-      std::vector<float> d(2 * nb_), s(nb_);
+      std::vector<float> d(nb_), s(nb_);
       for (int64_t gi = begin; gi < end; ++gi) {
         const int64_t tokens = std::min<int64_t>(kAmxTokens, M - gi * kAmxTokens);
         if (tokens < kAmxTokens) zero_group(gi);
         for (int64_t t = 0; t < tokens; ++t) {
           int8_t* a[2] = {row.data(), row.data() + K};
-          float* dl[2] = {d.data(), d.data() + nb_};
-          quantize_row_a8(x + (gi * kAmxTokens + t) * K, K, levels, a, dl, s.data());
+          quantize_row_a8(x + (gi * kAmxTokens + t) * K, K, levels, a, d.data(), s.data());
           scatter(gi, t, row.data(), d.data(), s.data(), K);
         }
       }
@@ -89,33 +89,31 @@ class PackedActs {
 
   GroupTiles group(int64_t gi) const {
     GroupTiles g{};
-    for (int l = 0; l < levels_; ++l) g.b[l] = tile(gi, l), g.d[l] = scale(gi, l);
-    g.s = scale(gi, levels_);
+    for (int l = 0; l < levels_; ++l) g.b[l] = tile(gi, l);
+    g.d = scale(gi, 0);
+    g.s = scale(gi, 1);
     return g;
   }
 
  private:
   int8_t* tile(int64_t gi, int l) const { return tiles_.get() + (gi * levels_ + l) * nb_ * kTileBytes; }
-  float* scale(int64_t gi, int l) const { return scales_.get() + (gi * (levels_ + 1) + l) * nb_ * kAmxTokens; }
+  float* scale(int64_t gi, int i) const { return scales_.get() + (gi * 2 + i) * nb_ * kAmxTokens; }   // 0 d, 1 s
 
   void zero_group(int64_t gi) {
     std::fill(tile(gi, 0), tile(gi, 0) + levels_ * nb_ * kTileBytes, int8_t{0});
-    std::fill(scale(gi, 0), scale(gi, 0) + (levels_ + 1) * nb_ * kAmxTokens, 0.0f);
+    std::fill(scale(gi, 0), scale(gi, 0) + 2 * nb_ * kAmxTokens, 0.0f);
   }
 
   // Token t of group gi: its int8 row per level (row + l * K) into the B tiles, d and s into [block][token].
   void scatter(int64_t gi, int64_t t, const int8_t* row, const float* d, const float* s, int64_t K) {
     for (int l = 0; l < levels_; ++l) {
       int8_t* b = tile(gi, l);
-      float* dl = scale(gi, l);
-      for (int64_t blk = 0; blk < nb_; ++blk) {
+      for (int64_t blk = 0; blk < nb_; ++blk)
         for (int j = 0; j < 8; ++j)
           std::memcpy(b + blk * kTileBytes + (j * kAmxTokens + t) * 4, row + l * K + blk * 32 + 4 * j, 4);
-        dl[blk * kAmxTokens + t] = d[l * nb_ + blk];
-      }
     }
-    float* sl = scale(gi, levels_);
-    for (int64_t blk = 0; blk < nb_; ++blk) sl[blk * kAmxTokens + t] = s[blk];
+    float *dl = scale(gi, 0), *sl = scale(gi, 1);
+    for (int64_t blk = 0; blk < nb_; ++blk) dl[blk * kAmxTokens + t] = d[blk], sl[blk * kAmxTokens + t] = s[blk];
   }
 
   int levels_;
@@ -146,8 +144,8 @@ void pack_a(const uint8_t* codes, const float* scale, const float* min, int64_t 
   }
 }
 
-// One panel x one token group: C = A . B per block and level, then acc[r][t] += C0 * (dw[r] * d0[t]), += C1 * (dw[r] *
-// d1[t]) (kLevels 2), += mw[r] * s[t]. Writes out[t * N + n0 + r] (+ bias) for t < tokens, r < rows.
+// One panel x one token group: C = A . B per block and level, C = 255 * C0 + C1 (kLevels 2: the digits, linear_a8.hpp),
+// then acc[r][t] += C * (dw[r] * d[t]), += mw[r] * s[t]. Writes out[t * N + n0 + r] (+ bias) for t < tokens, r < rows.
 template <int kLevels>
 __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"), noinline)) void amx_panel_group(
     const uint8_t* a, const float* dw, const float* mw, int64_t nb, const GroupTiles& g, float* out, int64_t N,
@@ -167,16 +165,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"), noinline))
       _tile_dpbusd(1, 2, 4);
       _tile_stored(1, c[1], 64);
     }
-    const __m512 d0 = _mm512_loadu_ps(g.d[0] + blk * kAmxTokens), sv = _mm512_loadu_ps(g.s + blk * kAmxTokens);
-    const __m512 d1 = kLevels > 1 ? _mm512_loadu_ps(g.d[1] + blk * kAmxTokens) : _mm512_setzero_ps();
+    const __m512 d0 = _mm512_loadu_ps(g.d + blk * kAmxTokens), sv = _mm512_loadu_ps(g.s + blk * kAmxTokens);
     const float *dwb = dw + blk * kAmxRows, *mwb = mw + blk * kAmxRows;
-    for (int r = 0; r < kAmxRows; ++r) {   // the panels' order: level 0, level 1, then the min term
-      const __m512 w = _mm512_set1_ps(dwb[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + r * kAmxTokens)), _mm512_mul_ps(w, d0),
-                               acc[r]);
+    for (int r = 0; r < kAmxRows; ++r) {   // the panels' order: the levels' combined sum, then the min term
+      __m512i ci = _mm512_load_si512(c[0] + r * kAmxTokens);
       if constexpr (kLevels > 1)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + r * kAmxTokens)), _mm512_mul_ps(w, d1),
-                                 acc[r]);
+        ci = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ci, 8), ci), _mm512_load_si512(c[1] + r * kAmxTokens));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), _mm512_mul_ps(_mm512_set1_ps(dwb[r]), d0), acc[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mwb[r]), sv, acc[r]);
     }
   }

@@ -43,14 +43,14 @@ inline int32_t load_i32(const int8_t* p) {
 }
 
 // acc[j][t] (lane r: row r of panel j) += J panels' dot products with T tokens' activations, every block, L levels:
-// each activation broadcast serves J panels. Per block and element the order is level 0, level 1, the min term
-// (linear_a8.hpp's tile's order). a[l]: level l's int8 row of token 0 (tokens K apart); d[l]: its block scales, s the
-// block sums (tokens nb apart); codes/dw/mw: panel j's at codes[j], dw[j], mw[j].
+// each activation broadcast serves J panels. Per block and element the order is the levels' combined integer sum,
+// then the min term (linear_a8.hpp's tile's order). a[l]: level l's int8 row of token 0 (tokens K apart); d: the block
+// scales, s the block sums (tokens nb apart); codes/dw/mw: panel j's at codes[j], dw[j], mw[j].
 template <int J, int T, int L>
 PAGEDSERVE_VNNI512 __attribute__((noinline)) void panel_tile(const uint8_t* const* codes, const float* const* dw,
                                                              const float* const* mw, int64_t nb,
-                                                             const int8_t* const* a, int64_t K,
-                                                             const float* const* d, const float* s,
+                                                             const int8_t* const* a, int64_t K, const float* d,
+                                                             const float* s,
                                                              __m512 acc[J][T]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
@@ -78,9 +78,11 @@ PAGEDSERVE_VNNI512 __attribute__((noinline)) void panel_tile(const uint8_t* cons
     for (int j = 0; j < J; ++j) {
       const __m512 dwb = _mm512_loadu_ps(dw[j] + b * kVnniRows), mwb = _mm512_loadu_ps(mw[j] + b * kVnniRows);
       for (int t = 0; t < T; ++t) {
-        for (int l = 0; l < L; ++l)
-          acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j][l][t]),
-                                      _mm512_mul_ps(dwb, _mm512_set1_ps(d[l][t * nb + b])), acc[j][t]);
+        __m512i i32 = isum[j][0][t];
+        if constexpr (L > 1)   // the two digits' sums: 255 * hi + lo (linear_a8.hpp's two_digits)
+          i32 = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(i32, 8), i32), isum[j][L - 1][t]);
+        acc[j][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), _mm512_mul_ps(dwb, _mm512_set1_ps(d[t * nb + b])),
+                                    acc[j][t]);
         acc[j][t] = _mm512_fmadd_ps(mwb, _mm512_set1_ps(s[t * nb + b]), acc[j][t]);
       }
     }
@@ -102,7 +104,7 @@ PAGEDSERVE_VNNI512 void panel_tokens(const uint8_t* pk, const float* pdw, const 
     mw[j] = pmw + (p + j) * nb * kVnniRows;
   }
   const int8_t* a[2] = {q.a[0].data() + m * K, q.levels > 1 ? q.a[1].data() + m * K : nullptr};
-  const float* d[2] = {q.d[0].data() + m * nb, q.levels > 1 ? q.d[1].data() + m * nb : nullptr};
+  const float* d = q.d.data() + m * nb;
   const float* s = q.s.data() + m * nb;
   if (q.levels > 1) panel_tile<J, T, 2>(codes, dw, mw, nb, a, K, d, s, acc);
   else panel_tile<J, T, 1>(codes, dw, mw, nb, a, K, d, s, acc);
