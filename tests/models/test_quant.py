@@ -285,9 +285,10 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir, scheme, group, kernels)
     assert model.dq_min_tokens == 0 and model.batch_invariant == own   # no choice takes the GEMM path
     amx = own and scheme == "int4" and kernels in ("auto", "int8-activations") and amx_available()
     assert model.amx_min_tokens == (AMX_MIN_TOKENS if amx else 0)
-    vnni = own and scheme == "int4" and kernels in ("auto", "int8-activations") and vnni_available()
+    vnni = own and kernels in ("auto", "int8-activations") and vnni_available()   # int4 and int8 layers alike
     assert model.vnni_max_tokens == (VNNI_MAX_TOKENS if vnni else 0)
-    assert (model.layers[0].mlp.down_proj.vnni_panels is not None) == vnni if own and scheme == "int4" else True
+    panels = "vnni_panels" if scheme == "int4" else "q8_vnni_panels"
+    assert (getattr(model.layers[0].mlp.down_proj, panels) is not None) == vnni if own else True
     if levels:
         assert model.layers[0].mlp.down_proj.a8_levels == levels
     linear = {(True, "int4"): StreamingInt4Linear, (True, "int8"): StreamingInt8Linear,

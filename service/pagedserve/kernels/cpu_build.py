@@ -147,6 +147,8 @@ def _register_fakes() -> None:
     for name in ("linear_q4_vnni", "linear_a8_packed"):
         torch.library.register_fake(f"pagedserve_cpu::{name}")(
             lambda x, packed, dw, mw, n, bias, levels: x.new_empty((x.shape[0], n)))
+    torch.library.register_fake("pagedserve_cpu::linear_q8_vnni")(
+        lambda x, packed, dw, n, bias, levels: x.new_empty((x.shape[0], n)))
     torch.library.register_fake("pagedserve_cpu::dequantize_q4")(
         lambda codes, scale, mn, group_size: scale.new_empty((codes.shape[0], codes.shape[1] * 2)))
     torch.library.register_fake("pagedserve_cpu::dequantize_q8")(

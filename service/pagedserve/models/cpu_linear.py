@@ -28,7 +28,8 @@ schemes, by ``linear_kernels`` choice (EngineConfig.linear_kernels):
   :func:`use_int8_activations`: ``linear_q4_a8``'s function, which repacks per call), and from
   :data:`AMX_MIN_TOKENS` tokens on ``linear_q4_amx`` where the CPU has AMX-INT8: the three give the same bits
   (tested; use_amx checks it again at load and keeps AMX off if not). int8 layers run ``linear_a8_packed`` on their
-  8-row panels (``linear_q8_a8``'s function). float32 layers run ``linear_f32``.
+  8-row panels (``linear_q8_a8``'s function), or ``linear_q8_vnni`` on 16-row panels where the CPU has AVX-512
+  VNNI (the same bits). float32 layers run ``linear_f32``.
   On the embedded model's 2,000-token teacher-forced text against float32 activations (tests/models/test_quant.py)
   two levels agree on the top-1 token at 1.0000, perplexity +0.00%.
 - ``"int8-activations"``: one level (llama.cpp's numerics, the fastest; top-1 agreement 0.970, perplexity +0.25%).
@@ -216,14 +217,32 @@ class StreamingInt8Linear(nn.Module):
         self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.bias = _bias(bias)
         self.a8_min_tokens, self.a8_levels, self.dq_min_tokens, self.a8_panels = 0, 2, 0, None
+        self.vnni_max_tokens, self.q8_vnni_panels = 0, None
 
     def dequantize(self) -> torch.Tensor:
         """The weight decoded to float32 ``[N, K]`` (``q * scale``)."""
         return torch.ops.pagedserve_cpu.dequantize_q8(self.codes, self.scales, self.group_size)
 
+    def set_vnni(self, max_tokens: int) -> None:
+        """Calls of up to ``max_tokens`` tokens run ``linear_q8_vnni`` (``linear_q8_a8``'s bits on 16-row panels,
+        AVX-512 VNNI; 0: never, the packed copy dropped). The first call with ``max_tokens`` > 0 packs the weight
+        (``pack_q8_vnni``: codes + 128 uint8 ``[ceil(N / 16), K // 32 * 512]``, scales float32 ``[ceil(N / 16),
+        K // 32 * 16]``). (Not ``vnni_panels``: the fused decode stack takes int4 layers only.)"""
+        if max_tokens >= VNNI_MAX_TOKENS:
+            self.a8_panels = None   # every call runs on the VNNI panels
+        if max_tokens and self.q8_vnni_panels is None:
+            self.q8_vnni_panels = tuple(torch.ops.pagedserve_cpu.pack_q8_vnni(self.codes, self.scales,
+                                                                               self.group_size))
+        elif not max_tokens:
+            self.q8_vnni_panels = None
+        self.vnni_max_tokens = max_tokens
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
         rows = _rows(x, self.in_features)
+        if rows.shape[0] <= self.vnni_max_tokens:
+            return _like(ops.linear_q8_vnni(rows, *self.q8_vnni_panels, self.out_features, self.bias,
+                                            self.a8_levels), x)
         if _takes(rows, self.in_features, self.dq_min_tokens):
             return _like(F.linear(rows, self.dequantize(), self.bias), x)
         args = (rows, self.codes, self.scales, self.group_size, self.bias)
@@ -362,7 +381,7 @@ def linear_path_of(model: nn.Module) -> str:
         amx = max((m.amx_min_tokens for m in q4), default=0)
         kinds = [f"int4: {'avx512-vnni' if any(m.vnni_max_tokens for m in q4) else avx2} panels"
                  + (f", amx from {amx} tokens" if amx else "")] if q4 else []
-        kinds += [f"int8: {avx2} panels"] if q8 else []
+        kinds += [f"int8: {'avx512-vnni' if any(m.vnni_max_tokens for m in q8) else avx2} panels"] if q8 else []
         parts.append(f"int8 activations x{levels} ({'; '.join(kinds)})")
     elif q4 or q8:
         parts.append("float32 activations (int4/int8 decoded per row)")
@@ -378,8 +397,9 @@ def vnni_available() -> bool:
 
 def use_vnni(model: nn.Module, max_tokens: int = VNNI_MAX_TOKENS) -> int:
     """Set ``vnni_max_tokens = max_tokens`` (0: off, the packed copies dropped) on every :class:`StreamingInt4Linear`
-    of ``model`` whose K and group size are multiples of 32, packing each weight on first use (:meth:`set_vnni`):
-    calls of up to that many tokens run ``linear_q4_vnni`` with the layer's ``a8_levels``. On a model with a
+    and :class:`StreamingInt8Linear` of ``model`` whose K and group size are multiples of 32, packing each weight on
+    first use (their ``set_vnni``): calls of up to that many tokens run ``linear_q4_vnni`` / ``linear_q8_vnni`` with
+    the layer's ``a8_levels`` (the bits of ``linear_q4_a8`` / ``linear_q8_a8``). On a model with a
     ``refresh_fused_decode`` method (Llama) its one-call decode stack (:mod:`.fused_decode`) is rebuilt or dropped.
     Returns how many layers were set.
 
@@ -391,7 +411,9 @@ def use_vnni(model: nn.Module, max_tokens: int = VNNI_MAX_TOKENS) -> int:
         raise ValueError(f"max_tokens: must be >= 0, got {max_tokens}")
     if max_tokens and not vnni_available():
         raise RuntimeError("AVX-512 VNNI is not available on this CPU (or the kernels did not load)")
-    layers = _int8_activation_int4_layers(model)
+    layers = _int8_activation_int4_layers(model) + [
+        m for m in model.modules()
+        if isinstance(m, StreamingInt8Linear) and m.in_features % 32 == 0 and m.group_size % 32 == 0]
     for module in layers:
         module.set_vnni(max_tokens)
     refresh = getattr(model, "refresh_fused_decode", None)   # a Llama: its one-call decode stack follows the panels

@@ -62,7 +62,7 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     many tokens int8 activations are used (0: never), ``a8_levels`` with how many levels, ``dq_min_tokens`` from how
     many tokens the GEMM path is taken (always 0 now), ``amx_min_tokens`` from how many the int4 layers run their
     int8 activations on AMX tiles where the CPU has AMX-INT8 and they give the panels' bits (0: never);
-    ``vnni_max_tokens`` up to how many tokens the int4 layers run on the AVX-512 VNNI panels (0: never);
+    ``vnni_max_tokens`` up to how many tokens the int4 and int8 layers run on the AVX-512 VNNI panels (0: never);
     ``batch_invariant`` whether every linear is one numeric scheme for every token count, ``linear_path`` a line
     saying which kernels run (:func:`.cpu_linear.linear_path_of`).
 

@@ -186,6 +186,7 @@ struct ActsA8 {
   std::vector<int8_t> a[2];   // per level [M, K] (two levels: the high and the low digit)
   std::vector<float> d;       // [M, K / 32]
   std::vector<float> s;       // [M, K / 32]
+  std::vector<int32_t> c;     // linear_q8_vnni only: [M, K / 32], 128 * each block's sum of quantized values
 };
 
 inline ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels, bool vnni = false) {

@@ -12,7 +12,8 @@
 //   linear_a8.cpp      linear_q4_a8, linear_q8_a8 (int8 activations), pack_a8_panels + linear_a8_packed (the
 //                      same on panels packed once at load), linear_a8_vnni
 //   linear_amx.cpp     linear_q4_amx (linear_q4_a8's function on AMX tiles), linear_amx_available
-//   linear_vnni.cpp    pack_q4_vnni, linear_q4_vnni (int8 activations at decode on AVX-512 VNNI, 16-row panels)
+//   linear_vnni.cpp    pack_q4_vnni, linear_q4_vnni, pack_q8_vnni, linear_q8_vnni (int8 activations on AVX-512 VNNI,
+//                      16-row panels)
 //   dequant.cpp        dequantize_q4, dequantize_q8 (weights to float32 for the BLAS GEMM of long prefill chunks)
 //   attention.cpp      paged_attention, paged_decode_attention (batch-invariant; body in attention_lanes.hpp, decode
 //                      tiles' helpers in attention_decode.hpp)
@@ -53,6 +54,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4_vnni(const at::Tensor& co
                                                             const at::Tensor& min, int64_t group_size);
 at::Tensor linear_q4_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dw, const at::Tensor& mw,
                           int64_t N, const c10::optional<at::Tensor>& bias, int64_t levels);
+std::tuple<at::Tensor, at::Tensor> pack_q8_vnni(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size);
+at::Tensor linear_q8_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dw, int64_t N,
+                          const c10::optional<at::Tensor>& bias, int64_t levels);
 bool linear_vnni_available();
 at::Tensor dequantize_q4(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                          int64_t group_size);

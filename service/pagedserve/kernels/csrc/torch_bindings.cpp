@@ -26,6 +26,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("linear_amx_available() -> bool", &linear_amx_available);
   m.def("pack_q4_vnni(Tensor codes, Tensor scale, Tensor min, int group_size) -> (Tensor, Tensor, Tensor)");
   m.def("linear_q4_vnni(Tensor x, Tensor packed, Tensor dw, Tensor mw, int N, Tensor? bias, int levels) -> Tensor");
+  m.def("pack_q8_vnni(Tensor codes, Tensor scale, int group_size) -> (Tensor, Tensor)");
+  m.def("linear_q8_vnni(Tensor x, Tensor packed, Tensor dw, int N, Tensor? bias, int levels) -> Tensor");
   m.def("linear_vnni_available() -> bool", &linear_vnni_available);
   m.def("dequantize_q4(Tensor codes, Tensor scale, Tensor min, int group_size) -> Tensor");
   m.def("dequantize_q8(Tensor codes, Tensor scale, int group_size) -> Tensor");
@@ -52,6 +54,8 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("linear_q4_amx", &linear_q4_amx);
   m.impl("pack_q4_vnni", &pack_q4_vnni);
   m.impl("linear_q4_vnni", &linear_q4_vnni);
+  m.impl("pack_q8_vnni", &pack_q8_vnni);
+  m.impl("linear_q8_vnni", &linear_q8_vnni);
   m.impl("dequantize_q4", &dequantize_q4);
   m.impl("dequantize_q8", &dequantize_q8);
   m.impl("paged_decode_attention", &paged_decode_attention);
