@@ -96,11 +96,11 @@ def test_int8_layer_takes_vnni_and_keeps_its_bits():
     use_int8_activations(model, 1, 2)
     x = torch.randn(Q8_VNNI_MIN_TOKENS, 96, generator=gen)
     before = layer(x)
-    assert "avx512-vnni" not in linear_path_of(model)
+    assert "int8: avx512-vnni" not in linear_path_of(model)
     assert use_vnni(model, VNNI_MAX_TOKENS) == 1 and layer.q8_vnni_panels is not None and layer.a8_panels is not None
     assert torch.equal(layer(x), before)                   # linear_a8_packed before, linear_q8_vnni now
     assert torch.equal(layer(x[:1]), before[:1])           # fewer tokens: the 8-row panels
-    assert f"panels, avx512-vnni from {Q8_VNNI_MIN_TOKENS} tokens" in linear_path_of(model)
+    assert "int8: avx512-vnni panels" in linear_path_of(model)
     assert not hasattr(layer, "vnni_panels")               # the fused decode stack takes int4 layers only
     use_vnni(model, 0)
     assert layer.q8_vnni_panels is None

@@ -384,8 +384,7 @@ def linear_path_of(model: nn.Module) -> str:
         amx = max((m.amx_min_tokens for m in q4), default=0)
         kinds = [f"int4: {'avx512-vnni' if any(m.vnni_max_tokens for m in q4) else avx2} panels"
                  + (f", amx from {amx} tokens" if amx else "")] if q4 else []
-        q8_vnni = f", avx512-vnni from {Q8_VNNI_MIN_TOKENS} tokens" if any(m.vnni_max_tokens for m in q8) else ""
-        kinds += [f"int8: {avx2} panels{q8_vnni}"] if q8 else []
+        kinds += [f"int8: {'avx512-vnni' if any(m.vnni_max_tokens for m in q8) else avx2} panels"] if q8 else []
         parts.append(f"int8 activations x{levels} ({'; '.join(kinds)})")
     elif q4 or q8:
         parts.append("float32 activations (int4/int8 decoded per row)")
