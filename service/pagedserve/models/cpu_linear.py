@@ -28,8 +28,8 @@ schemes, by ``linear_kernels`` choice (EngineConfig.linear_kernels):
   :func:`use_int8_activations`: ``linear_q4_a8``'s function, which repacks per call), and from
   :data:`AMX_MIN_TOKENS` tokens on ``linear_q4_amx`` where the CPU has AMX-INT8: the three give the same bits
   (tested; use_amx checks it again at load and keeps AMX off if not). int8 layers run ``linear_a8_packed`` on their
-  8-row panels (``linear_q8_a8``'s function), and from :data:`Q8_VNNI_MIN_TOKENS` tokens ``linear_q8_vnni`` on
-  16-row panels where the CPU has AVX-512 VNNI (the same bits). float32 layers run ``linear_f32``.
+  8-row panels (``linear_q8_a8``'s function), or ``linear_q8_vnni`` on 16-row panels where the CPU has AVX-512
+  VNNI (the same bits). float32 layers run ``linear_f32``.
   On the embedded model's 2,000-token teacher-forced text against float32 activations (tests/models/test_quant.py)
   two levels agree on the top-1 token at 1.0000, perplexity +0.00%.
 - ``"int8-activations"``: one level (llama.cpp's numerics, the fastest; top-1 agreement 0.970, perplexity +0.25%).
@@ -71,10 +71,6 @@ AMX_MIN_TOKENS, AMX_CHOICES = 16, ("auto", "int8-activations")
 # panels packed at load, AVX-512 VNNI) where the CPU has it: every call (1536 x 576, two levels, 2 threads, AMD EPYC
 # without AMX, GFLOP/s-eq vs the decoded float32 GEMM: M=1 214 vs 18, M=32 451 vs 138, M=1024 363 vs 200).
 VNNI_MAX_TOKENS, VNNI_CHOICES = 1 << 62, AMX_CHOICES
-# Tokens from which the int8 layers take linear_q8_vnni (the same bits as their 8-row panels, which serve fewer
-# tokens): the 49152 x 576 Q8_0 head, 2 threads, AMD EPYC Zen 5, weights out of cache, VNNI vs 8-row panels:
-# M=1 0.73 vs 0.68 ms, M=4 1.33 vs 1.03, M=8 1.78 vs 2.33, M=32 4.94 vs 8.46.
-Q8_VNNI_MIN_TOKENS = 8
 
 
 def cpu_kernels_enabled(choice: str, device: torch.device) -> bool:
@@ -228,11 +224,12 @@ class StreamingInt8Linear(nn.Module):
         return torch.ops.pagedserve_cpu.dequantize_q8(self.codes, self.scales, self.group_size)
 
     def set_vnni(self, max_tokens: int) -> None:
-        """Calls of :data:`Q8_VNNI_MIN_TOKENS` to ``max_tokens`` tokens run ``linear_q8_vnni`` (``linear_q8_a8``'s
-        bits on 16-row panels, AVX-512 VNNI; 0: never, the packed copy dropped); fewer tokens keep the 8-row panels.
-        The first call with ``max_tokens`` > 0 packs the weight (``pack_q8_vnni``: codes + 128 uint8 ``[ceil(N /
-        16), K // 32 * 512]``, scales float32 ``[ceil(N / 16), K // 32 * 16]``). (Not ``vnni_panels``: the fused
-        decode stack takes int4 layers only.)"""
+        """Calls of up to ``max_tokens`` tokens run ``linear_q8_vnni`` (``linear_q8_a8``'s bits on 16-row panels,
+        AVX-512 VNNI; 0: never, the packed copy dropped). The first call with ``max_tokens`` > 0 packs the weight
+        (``pack_q8_vnni``: codes + 128 uint8 ``[ceil(N / 16), K // 32 * 512]``, scales float32 ``[ceil(N / 16),
+        K // 32 * 16]``). (Not ``vnni_panels``: the fused decode stack takes int4 layers only.)"""
+        if max_tokens >= VNNI_MAX_TOKENS:
+            self.a8_panels = None   # every call runs on the VNNI panels
         if max_tokens and self.q8_vnni_panels is None:
             self.q8_vnni_panels = tuple(torch.ops.pagedserve_cpu.pack_q8_vnni(self.codes, self.scales,
                                                                                self.group_size))
@@ -243,7 +240,7 @@ class StreamingInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
         rows = _rows(x, self.in_features)
-        if Q8_VNNI_MIN_TOKENS <= rows.shape[0] <= self.vnni_max_tokens:
+        if rows.shape[0] <= self.vnni_max_tokens:
             return _like(ops.linear_q8_vnni(rows, *self.q8_vnni_panels, self.out_features, self.bias,
                                             self.a8_levels), x)
         if _takes(rows, self.in_features, self.dq_min_tokens):
