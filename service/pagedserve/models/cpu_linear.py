@@ -1,46 +1,32 @@
 """Linear layers over pagedserve's own CPU kernels (:mod:`pagedserve.kernels.cpu_build`), chosen at load.
 
-At decode a linear reads every weight once per step for a few tokens (its speed is the speed at which the weights
-stream from memory), at prefill it is compute-bound; torch's int4/int8 CPU kernels are vectorized only for bfloat16
-activations. The kernels in ``csrc/linear_*.cpp`` take float32, 4-bit and 8-bit weights with float32 activations.
+The kernels in ``csrc/linear_*.cpp`` take float32, 4-bit and 8-bit weights with float32 activations (torch's
+int4/int8 CPU kernels are vectorized only for bfloat16 activations).
 
-Layers (x: ``[..., K]`` in the compute dtype; returns ``[..., N]`` in x's dtype):
-
-- :class:`StreamingLinear`: float32 weight ``[N, K]`` as loaded, the own kernel at every token count.
-- :class:`StreamingInt4Linear`: an :class:`~.quant.Int4Weight`, codes packed two per byte in GGUF's order,
-  ``w = q * scale + min`` with ``min = zero - 8 * scale`` (float32), every token count.
-- :class:`StreamingInt8Linear`: int8 codes with a float32 scale per group of ``group_size`` along K: GGUF Q8_0
-  (group 32, exact: the logits of the tied LM head need no rescoring) or int8 per output channel (group K).
+Layers (x: ``[..., K]`` in the compute dtype; returns ``[..., N]`` in x's dtype): :class:`StreamingLinear` (float32
+``[N, K]``), :class:`StreamingInt4Linear` (GGUF-order codes, ``w = q * scale + min``, ``min = zero - 8 * scale``),
+:class:`StreamingInt8Linear` (int8 codes, a scale per group along K: GGUF Q8_0, exact, or per output channel).
 
 One numeric scheme per layer for every token count (batch invariance): a row's output is a function of that row
 and the weights alone, bit for bit, whether the call carries one decode token or a 1,024-token prefill chunk beside
 it, on any thread count (each kernel splits the work over output rows only and reduces K in a fixed order). The
 schemes, by ``linear_kernels`` choice (EngineConfig.linear_kernels):
 
-- ``"auto"`` (the default): the quantized layers on int8 activations in two levels at every call: x quantized per
-  token in blocks of 32 to 16 bits (``d = max|x| / 32512``, ``Q = round(x / d)``), written as two int8 digits in
-  base 255 (``Q = 255 * hi + lo``, csrc/linear_a8.hpp), each multiplied with exact integer dot products and the two
-  sums combined exactly in int32, and per block of 32 the float terms added in one order (the combined product,
-  then the q4 min term from the activations' block sums). The int4 layers run it on
-  ``linear_q4_vnni`` where the CPU has AVX-512 VNNI (16-row panels packed once at load, one VPDPBUSD per 4 weights
-  x 16 rows; the copy costs the layer's codes and scales once more, about 80 MB for the embedded model), else on
-  ``linear_a8_packed`` (AVX2 maddubs or AVX-VNNI on 8-row panels packed once at load by
-  :func:`use_int8_activations`: ``linear_q4_a8``'s function, which repacks per call), and from
-  :data:`AMX_MIN_TOKENS` tokens on ``linear_q4_amx`` where the CPU has AMX-INT8: the three give the same bits
-  (tested; use_amx checks it again at load and keeps AMX off if not). int8 layers run ``linear_a8_packed`` on their
-  8-row panels (``linear_q8_a8``'s function), or ``linear_q8_vnni`` on 16-row panels where the CPU has AVX-512
-  VNNI (the same bits). float32 layers run ``linear_f32``.
-  On the embedded model's 2,000-token teacher-forced text against float32 activations (tests/models/test_quant.py)
-  two levels agree on the top-1 token at 1.0000, perplexity +0.00%.
+- ``"auto"`` (the default): the quantized layers on int8 activations in two levels at every call: x per token
+  and block of 32 quantized to 16 bits (``d = max|x| / 32512``) held as two int8 digits in base 255, each
+  multiplied with exact integer dot products, the sums combined in int32, one float step per block (then the q4
+  min term): csrc/linear_a8.hpp. Kernels, all with the same bits (tested; use_amx checks AMX again at load): int4
+  layers on ``linear_q4_vnni`` where the CPU has AVX-512 VNNI (16-row panels packed at load), else
+  ``linear_a8_packed`` (AVX2 / AVX-VNNI, 8-row panels packed at load; ``linear_q4_a8`` repacks per call), and
+  ``linear_q4_amx`` from :data:`AMX_MIN_TOKENS` tokens with AMX-INT8; int8 layers on ``linear_q8_vnni`` with
+  AVX-512 VNNI, else ``linear_a8_packed`` (``linear_q8_a8``'s function); float32 layers on ``linear_f32``.
+  Teacher-forced 2,000 tokens of the embedded model against float32 activations: top-1 1.0000, perplexity +0.00%.
 - ``"int8-activations"``: one level (llama.cpp's numerics, the fastest; top-1 agreement 0.970, perplexity +0.25%).
 - ``"float-activations"``: float32 activations at every call (``linear_q4`` / ``linear_q8``: each weight row decoded
   into an L1 buffer, register tiles with k in the lanes): the float32 function of the quantized weights.
 
-The float32 GEMM of the decoded weight (:func:`use_dequantized_gemm`: not batch-invariant) is bench/prefill.py's
-baseline.
-
-:func:`use_cpu_kernels` swaps a loaded model's float32 ``nn.Linear`` leaves; the quantized layers are built directly
-by :mod:`.quant_load` when its plan says so.
+The float32 GEMM of the decoded weight (:func:`use_dequantized_gemm`, not batch-invariant) is bench/prefill.py's
+baseline. :func:`use_cpu_kernels` swaps float32 ``nn.Linear`` leaves; :mod:`.quant_load` builds the quantized ones.
 """
 from __future__ import annotations
 
@@ -63,13 +49,12 @@ A8_MIN_TOKENS = 1
 A8_LEVELS = {"auto": 2, "int8-activations": 1}   # levels by linear_kernels choice (others: none)
 DQ_MIN_TOKENS = 64   # the float32 GEMM of the decoded weight: no choice takes it (bench/prefill.py's baseline)
 DQ_MAX_WEIGHTS = 1 << 22   # larger weights (an LM head: 28 M) keep the own kernels: no 100+ MB float32 copy per call
-# Tokens from which "auto" / "int8-activations" run the int4 layers' int8 activations on AMX tiles where the CPU has
-# AMX-INT8 (linear_q4_amx: the same bits as linear_q4_vnni and linear_q4_a8, checked at load by use_amx; figures:
-# bench/README.md, "AMX").
+# Tokens from which "auto" / "int8-activations" run the int4 layers on AMX tiles where the CPU has AMX-INT8
+# (linear_q4_amx: the panels' bits, checked at load by use_amx; figures: bench/README.md, "AMX").
 AMX_MIN_TOKENS, AMX_CHOICES = 16, ("auto", "int8-activations")
-# Tokens up to which "auto" / "int8-activations" run the int4 layers on linear_q4_vnni (int8 activations, 16-row
-# panels packed at load, AVX-512 VNNI) where the CPU has it: every call (1536 x 576, two levels, 2 threads, AMD EPYC
-# without AMX, GFLOP/s-eq vs the decoded float32 GEMM: M=1 214 vs 18, M=32 451 vs 138, M=1024 363 vs 200).
+# Tokens up to which "auto" / "int8-activations" run the int4 and int8 layers on the AVX-512 VNNI panels where the
+# CPU has them: every call (int4 1536 x 576, two levels, 2 threads, AMD EPYC without AMX, GFLOP/s-eq vs the decoded
+# float32 GEMM: M=1 214 vs 18, M=32 451 vs 138, M=1024 363 vs 200; the int8 head: bench/README.md, 2026-12-07).
 VNNI_MAX_TOKENS, VNNI_CHOICES = 1 << 62, AMX_CHOICES
 
 
@@ -112,6 +97,18 @@ def _a8_call(layer: nn.Module, rows: torch.Tensor, args: tuple, per_call, float_
         return torch.ops.pagedserve_cpu.linear_a8_packed(rows, *layer.a8_panels, layer.out_features, layer.bias,
                                                          layer.a8_levels)
     return per_call(*args, layer.a8_levels)
+
+
+def _set_vnni(layer: nn.Module, max_tokens: int, attr: str, pack) -> None:
+    """A layer's ``set_vnni``: its ``attr`` panels packed by ``pack()`` on first use (dropped at 0), its 8-row
+    panels dropped when the VNNI panels serve every call."""
+    if max_tokens >= VNNI_MAX_TOKENS:
+        layer.a8_panels = None
+    if max_tokens and getattr(layer, attr) is None:
+        setattr(layer, attr, tuple(pack()))
+    elif not max_tokens:
+        setattr(layer, attr, None)
+    layer.vnni_max_tokens = max_tokens
 
 
 def _bias(bias: torch.Tensor | None) -> nn.Parameter | None:
@@ -170,14 +167,8 @@ class StreamingInt4Linear(nn.Module):
         """Calls of up to ``max_tokens`` tokens run ``linear_q4_vnni`` (0: never; the packed copy is dropped). The
         first call with ``max_tokens`` > 0 packs the weight (``pack_q4_vnni``: codes uint8 ``[ceil(N / 16),
         K // 32 * 256]``, scales and mins float32 ``[ceil(N / 16), K // 32 * 16]``)."""
-        if max_tokens >= VNNI_MAX_TOKENS:
-            self.a8_panels = None   # every call runs on the VNNI panels
-        if max_tokens and self.vnni_panels is None:
-            self.vnni_panels = tuple(torch.ops.pagedserve_cpu.pack_q4_vnni(self.codes, self.scales, self.mins,
-                                                                            self.group_size))
-        elif not max_tokens:
-            self.vnni_panels = None
-        self.vnni_max_tokens = max_tokens
+        _set_vnni(self, max_tokens, "vnni_panels", lambda: torch.ops.pagedserve_cpu.pack_q4_vnni(
+            self.codes, self.scales, self.mins, self.group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
@@ -225,17 +216,11 @@ class StreamingInt8Linear(nn.Module):
 
     def set_vnni(self, max_tokens: int) -> None:
         """Calls of up to ``max_tokens`` tokens run ``linear_q8_vnni`` (``linear_q8_a8``'s bits on 16-row panels,
-        AVX-512 VNNI; 0: never, the packed copy dropped). The first call with ``max_tokens`` > 0 packs the weight
-        (``pack_q8_vnni``: codes + 128 uint8 ``[ceil(N / 16), K // 32 * 512]``, scales float32 ``[ceil(N / 16),
-        K // 32 * 16]``). (Not ``vnni_panels``: the fused decode stack takes int4 layers only.)"""
-        if max_tokens >= VNNI_MAX_TOKENS:
-            self.a8_panels = None   # every call runs on the VNNI panels
-        if max_tokens and self.q8_vnni_panels is None:
-            self.q8_vnni_panels = tuple(torch.ops.pagedserve_cpu.pack_q8_vnni(self.codes, self.scales,
-                                                                               self.group_size))
-        elif not max_tokens:
-            self.q8_vnni_panels = None
-        self.vnni_max_tokens = max_tokens
+        AVX-512 VNNI; 0: never, the copy dropped), packed on first use (``pack_q8_vnni``: codes + 128 uint8
+        ``[ceil(N / 16), K // 32 * 512]``, scales float32 ``[ceil(N / 16), K // 32 * 16]``). Not ``vnni_panels``:
+        the fused decode stack takes int4 layers only."""
+        _set_vnni(self, max_tokens, "q8_vnni_panels", lambda: torch.ops.pagedserve_cpu.pack_q8_vnni(
+            self.codes, self.scales, self.group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.pagedserve_cpu
@@ -289,16 +274,13 @@ def use_int8_activations(model: nn.Module, min_tokens: int = A8_MIN_TOKENS, leve
         raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
     if levels not in (1, 2):
         raise ValueError(f"levels: must be 1 or 2, got {levels}")
-    count = 0
-    for module in model.modules():
-        if isinstance(module, (StreamingInt4Linear, StreamingInt8Linear)) and module.in_features % 32 == 0 \
-                and module.group_size % 32 == 0:
-            module.a8_min_tokens, module.a8_levels = min_tokens, levels
-            mins = (module.mins,) if isinstance(module, StreamingInt4Linear) else (None,)
-            module.a8_panels = tuple(torch.ops.pagedserve_cpu.pack_a8_panels(
-                module.codes, module.scales, *mins, module.group_size)) if min_tokens else None
-            count += 1
-    return count
+    layers = _a8_layers(model, StreamingInt4Linear, StreamingInt8Linear)
+    for module in layers:
+        module.a8_min_tokens, module.a8_levels = min_tokens, levels
+        mins = (module.mins,) if isinstance(module, StreamingInt4Linear) else (None,)
+        module.a8_panels = tuple(torch.ops.pagedserve_cpu.pack_a8_panels(
+            module.codes, module.scales, *mins, module.group_size)) if min_tokens else None
+    return len(layers)
 
 
 def use_dequantized_gemm(model: nn.Module, min_tokens: int = DQ_MIN_TOKENS) -> int:
@@ -311,13 +293,11 @@ def use_dequantized_gemm(model: nn.Module, min_tokens: int = DQ_MIN_TOKENS) -> i
     """
     if min_tokens < 0:
         raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
-    count = 0
-    for module in model.modules():
-        if isinstance(module, (StreamingInt4Linear, StreamingInt8Linear)) and \
-                module.in_features * module.out_features <= DQ_MAX_WEIGHTS:
-            module.dq_min_tokens = min_tokens
-            count += 1
-    return count
+    layers = [m for m in model.modules() if isinstance(m, (StreamingInt4Linear, StreamingInt8Linear))
+              and m.in_features * m.out_features <= DQ_MAX_WEIGHTS]
+    for module in layers:
+        module.dq_min_tokens = min_tokens
+    return len(layers)
 
 
 def amx_available() -> bool:
@@ -325,10 +305,16 @@ def amx_available() -> bool:
     return cpu_kernel_ops() is not None and bool(torch.ops.pagedserve_cpu.linear_amx_available())
 
 
-def _int8_activation_int4_layers(model: nn.Module) -> list[StreamingInt4Linear]:
-    """The :class:`StreamingInt4Linear` layers of ``model`` whose K and group size are multiples of 32."""
-    return [m for m in model.modules()
-            if isinstance(m, StreamingInt4Linear) and m.in_features % 32 == 0 and m.group_size % 32 == 0]
+def _check_switch(value: int, name: str, available, what: str) -> None:
+    if value < 0:
+        raise ValueError(f"{name}: must be >= 0, got {value}")
+    if value and not available():
+        raise RuntimeError(f"{what} is not available on this CPU (or the kernels did not load)")
+
+
+def _a8_layers(model: nn.Module, *classes: type) -> list[nn.Module]:
+    """The layers of ``model`` of ``classes`` whose K and group size are multiples of 32 (int8 activations)."""
+    return [m for m in model.modules() if isinstance(m, classes) and m.in_features % 32 == 0 and m.group_size % 32 == 0]
 
 
 @functools.cache
@@ -356,15 +342,12 @@ def use_amx(model: nn.Module, min_tokens: int = AMX_MIN_TOKENS) -> int:
         ValueError: a negative ``min_tokens``.
         RuntimeError: ``min_tokens`` > 0 where :func:`amx_available` is false.
     """
-    if min_tokens < 0:
-        raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
-    if min_tokens and not amx_available():
-        raise RuntimeError("AMX-INT8 is not available on this CPU (or the kernels did not load)")
+    _check_switch(min_tokens, "min_tokens", amx_available, "AMX-INT8")
     if min_tokens and not amx_matches_panels():
         log.warning("amx_kernel_off", reason="linear_q4_amx differs from linear_q4_a8 on this CPU: AMX stays off so "
                     "that every token count gets the same bits")
         min_tokens = 0
-    layers = _int8_activation_int4_layers(model)
+    layers = _a8_layers(model, StreamingInt4Linear)
     for module in layers:
         module.amx_min_tokens = min_tokens
     return len(layers)
@@ -407,13 +390,8 @@ def use_vnni(model: nn.Module, max_tokens: int = VNNI_MAX_TOKENS) -> int:
         ValueError: a negative ``max_tokens``.
         RuntimeError: ``max_tokens`` > 0 where :func:`vnni_available` is false.
     """
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens: must be >= 0, got {max_tokens}")
-    if max_tokens and not vnni_available():
-        raise RuntimeError("AVX-512 VNNI is not available on this CPU (or the kernels did not load)")
-    layers = _int8_activation_int4_layers(model) + [
-        m for m in model.modules()
-        if isinstance(m, StreamingInt8Linear) and m.in_features % 32 == 0 and m.group_size % 32 == 0]
+    _check_switch(max_tokens, "max_tokens", vnni_available, "AVX-512 VNNI")
+    layers = _a8_layers(model, StreamingInt4Linear, StreamingInt8Linear)
     for module in layers:
         module.set_vnni(max_tokens)
     refresh = getattr(model, "refresh_fused_decode", None)   # a Llama: its one-call decode stack follows the panels
