@@ -61,7 +61,7 @@ inline float block_amax(const __m256 v[4]) {
   return am;
 }
 
-// One level (header): one block of 32 (v[4]) -> a[32] int8 and its scale *d; returns d * sum(a).
+// One level (header): one block of 32 (v[4]) -> a[32] int8 and its scale *d; returns sum(a) (exact).
 inline float quantize_block_a8(const __m256 v[4], int8_t* a, float* d) {
   const float am = block_amax(v);
   *d = am / 127.0f;
@@ -70,11 +70,11 @@ inline float quantize_block_a8(const __m256 v[4], int8_t* a, float* d) {
   for (int p = 0; p < 4; ++p) i[p] = _mm256_cvtps_epi32(_mm256_mul_ps(v[p], inv));
   const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
   store_i8(i, a);
-  return *d * hsum(_mm256_cvtepi32_ps(isum));   // the int sum is exact: |sum| <= 32 * 127
+  return hsum(_mm256_cvtepi32_ps(isum));   // exact: |sum| <= 32 * 127
 }
 
 // Two levels (header): one block of 32 (v[4]) -> Q = 255 * hi + lo, hi[32] and lo[32] int8, its scale *d = max|x| /
-// 32512; returns d * sum(Q).
+// 32512; returns sum(Q) (exact).
 inline float quantize_block_q16(const __m256 v[4], int8_t* hi, int8_t* lo, float* d) {
   const float am = block_amax(v);
   *d = am / 32512.0f;
@@ -94,17 +94,21 @@ inline float quantize_block_q16(const __m256 v[4], int8_t* hi, int8_t* lo, float
   }
   store_i8(h, hi);
   store_i8(l, lo);
-  return *d * hsum(qsum);
+  return hsum(qsum);
 }
 
 // x[K] -> per level l < levels: a[l][K] int8; d[K / 32]; s[K / 32] = d * sum of the block's quantized values.
-// One level: quantize_block_a8; two: quantize_block_q16 (a[0] the high digit, a[1] the low). K a multiple of 32.
-inline void quantize_row_a8(const float* x, int64_t K, int levels, int8_t* const* a, float* d, float* s) {
+// c (optional) = 128 * that sum, as int32. One level: quantize_block_a8; two: quantize_block_q16 (a[0] the high
+// digit, a[1] the low). K a multiple of 32.
+inline void quantize_row_a8(const float* x, int64_t K, int levels, int8_t* const* a, float* d, float* s,
+                            int32_t* c = nullptr) {
   for (int64_t b = 0; b < K / kActBlock; ++b) {
     __m256 v[4];
     for (int p = 0; p < 4; ++p) v[p] = _mm256_loadu_ps(x + b * kActBlock + 8 * p);
-    s[b] = levels > 1 ? quantize_block_q16(v, a[0] + b * kActBlock, a[1] + b * kActBlock, d + b)
-                      : quantize_block_a8(v, a[0] + b * kActBlock, d + b);
+    const float sum = levels > 1 ? quantize_block_q16(v, a[0] + b * kActBlock, a[1] + b * kActBlock, d + b)
+                                 : quantize_block_a8(v, a[0] + b * kActBlock, d + b);
+    s[b] = d[b] * sum;
+    if (c) c[b] = 128 * static_cast<int32_t>(sum);
   }
 }
 
@@ -186,19 +190,21 @@ struct ActsA8 {
   std::vector<int8_t> a[2];   // per level [M, K] (two levels: the high and the low digit)
   std::vector<float> d;       // [M, K / 32]
   std::vector<float> s;       // [M, K / 32]
-  std::vector<int32_t> c;     // linear_q8_vnni only: [M, K / 32], 128 * each block's sum of quantized values
+  std::vector<int32_t> c;     // with sums (linear_q8_vnni): [M, K / 32], 128 * each block's sum of quantized values
 };
 
-inline ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels, bool vnni = false) {
+inline ActsA8 quantize_acts(const float* x, int64_t M, int64_t K, int levels, bool vnni = false, bool sums = false) {
   const int64_t nb = K / kActBlock;
   ActsA8 q{levels, vnni, {}, std::vector<float>(M * nb), std::vector<float>(M * nb)};
   for (int l = 0; l < levels; ++l) q.a[l].resize(M * K);
+  if (sums) q.c.resize(M * nb);
   // tokens over ATen's threads (a long chunk's quantization is not serial work; inside a parallel region, as in
   // linear_a8.cpp, it runs on the calling thread); each row's result is the same either way
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       int8_t* a[2] = {q.a[0].data() + t * K, levels > 1 ? q.a[1].data() + t * K : nullptr};
-      quantize_row_a8(x + t * K, K, levels, a, q.d.data() + t * nb, q.s.data() + t * nb);
+      quantize_row_a8(x + t * K, K, levels, a, q.d.data() + t * nb, q.s.data() + t * nb,
+                      sums ? q.c.data() + t * nb : nullptr);
     }
   });
   return q;

@@ -282,14 +282,8 @@ at::Tensor linear_q8_vnni(const at::Tensor& x, const at::Tensor& packed, const a
                   dw.size(1) == nb * kVnniRows,
               "dw must be contiguous float32 [ceil(N / 16), K / 32 * 16] (pack_q8_vnni)");
   at::Tensor out = at::empty({M, N}, x.options());
-  ActsA8 q = quantize_acts(x.data_ptr<float>(), M, K, static_cast<int>(levels));
-  q.c.resize(M * nb);   // 128 * each block's sum of quantized values (the digits' 255 * hi + lo), for the code bias
-  for (int64_t i = 0; i < M * nb; ++i) {
-    int32_t sum = 0;
-    for (int64_t k = 0; k < kActBlock; ++k)
-      sum += (levels > 1 ? 255 * q.a[0][i * kActBlock + k] + q.a[1][i * kActBlock + k] : q.a[0][i * kActBlock + k]);
-    q.c[i] = 128 * sum;
-  }
+  // with the blocks' integer sums (q.c) for the code bias
+  const ActsA8 q = quantize_acts(x.data_ptr<float>(), M, K, static_cast<int>(levels), false, true);
   run_panels<true>(q, M, K, N, packed.data_ptr<uint8_t>(), dw.data_ptr<float>(), nullptr,
                    bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
   return out;
