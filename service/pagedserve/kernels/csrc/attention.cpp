@@ -29,6 +29,7 @@ namespace pagedserve::cpu {
 namespace {
 
 constexpr int64_t kSplitKeys = 256;   // keys per split, at absolute positions (the flash-decoding unit)
+constexpr int64_t kAheadRows = 32;    // cache rows asked for ahead of the one a decode tile copies
 
 template <class C>
 struct AttnArgs {

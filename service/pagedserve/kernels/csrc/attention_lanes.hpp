@@ -35,37 +35,42 @@ struct Tile {
   alignas(64) float hi[kMaxLanes];
 };
 
-// Rows of keys [j0, j1) of the tile's KV head as float32 pointers: into the cache for float32 unless `copy`, else
-// widened (or copied) into buf, the next block's rows asked for meanwhile (a sequence's blocks are scattered, so the
-// hardware prefetcher cannot follow a block table). Walked block by block (one table lookup and no division per key).
+// The cache rows of keys [j0, j1) of the tile's KV head (at most kSplitKeys), walked block by block (one table
+// lookup and no division per key). Returns j1 - j0.
 template <class C>
-void key_rows(const AttnArgs<C>& a, const C* cache, const Tile& t, int64_t j0, int64_t j1, float* buf,
-              const float** rows, bool copy = false) {
+int64_t row_sources(const AttnArgs<C>& a, const C* cache, const Tile& t, int64_t j0, int64_t j1, const C** src) {
   const int32_t* table = a.tables + t.seq * a.max_blocks;
   const int64_t stride = a.Hkv * a.D;
-  copy = copy || !std::is_same_v<C, float>;
-  constexpr int64_t kAheadBlocks = 2;
   for (int64_t j = j0; j < j1;) {
     const int64_t b = j / a.block_size, end = std::min(j1, (b + 1) * a.block_size);
-    const C* src = cache + (static_cast<int64_t>(table[b]) * a.block_size + (j - b * a.block_size)) * stride +
-                   t.kvh * a.D;
-    if (!copy) {
-      for (; j < end; ++j, src += stride) rows[j - j0] = reinterpret_cast<const float*>(src);
-      continue;
-    }
-    for (int64_t pb = (j == j0 ? b + 1 : b + kAheadBlocks); pb <= b + kAheadBlocks; ++pb) {
-      const int64_t p0 = pb * a.block_size;
-      if (p0 >= j1) break;
-      const C* nxt = cache + static_cast<int64_t>(table[pb]) * a.block_size * stride + t.kvh * a.D;
-      for (int64_t i = 0; i < std::min<int64_t>(a.block_size, j1 - p0); ++i)
-        for (int64_t d = 0; d < a.D; d += 64 / sizeof(C))
-          _mm_prefetch(reinterpret_cast<const char*>(nxt + i * stride + d), _MM_HINT_T0);
-    }
-    for (; j < end; ++j, src += stride) {
-      float* dst = buf + (j - j0) * a.D;
-      for (int64_t d = 0; d < a.D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
-      rows[j - j0] = dst;
-    }
+    const C* p = cache + (static_cast<int64_t>(table[b]) * a.block_size + (j - b * a.block_size)) * stride +
+                 t.kvh * a.D;
+    for (; j < end; ++j, p += stride) src[j - j0] = p;
+  }
+  return std::max<int64_t>(0, j1 - j0);
+}
+
+// Rows src[0..n) as float32 pointers: the cache rows themselves for float32 unless `copy`, else widened (or copied)
+// into buf, row i + kAheadRows asked for while row i is copied and, past the end, then[0..then_n) (the rows read next):
+// a sequence's blocks are scattered, so the hardware prefetchers cannot follow a block table.
+template <class C>
+void key_rows(const AttnArgs<C>& a, const C* const* src, int64_t n, float* buf, const float** rows, bool copy,
+              const C* const* then = nullptr, int64_t then_n = 0) {
+  if (!copy && std::is_same_v<C, float>) {
+    for (int64_t i = 0; i < n; ++i) rows[i] = reinterpret_cast<const float*>(src[i]);
+    return;
+  }
+  const auto fetch = [&](const C* p) {
+    for (int64_t d = 0; d < a.D; d += 64 / static_cast<int64_t>(sizeof(C)))
+      _mm_prefetch(reinterpret_cast<const char*>(p + d), _MM_HINT_T0);
+  };
+  for (int64_t i = 0; i < std::min(n, kAheadRows); ++i) fetch(src[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAheadRows < n) fetch(src[i + kAheadRows]);
+    else if (i + kAheadRows - n < then_n) fetch(then[i + kAheadRows - n]);
+    float* dst = buf + i * a.D;
+    for (int64_t d = 0; d < a.D; d += 8) _mm256_storeu_ps(dst + d, load8(src[i] + d));
+    rows[i] = dst;
   }
 }
 
@@ -127,6 +132,17 @@ inline void pv_slab(const float* p, const float* const* rows, int64_t n, int64_t
 
 #include "attention_decode.hpp"   // scores_by_key, pv_by_dim: the decode tiles
 
+// A decode unit: one query row, its lanes the query heads of one KV head (split_state's keys-in-lanes code).
+inline bool decode_tile(const Tile& t) { return t.one_row && t.lanes <= 8; }
+
+// The first key rows of split s of tile t into src (none unless a decode tile): what split_state reads first.
+template <class C>
+int64_t first_keys(const AttnArgs<C>& a, const Tile& t, int64_t s, const C** src) {
+  if (!decode_tile(t)) return 0;
+  const int64_t j0 = std::max(t.key_lo, s * kSplitKeys);
+  return row_sources(a, a.k, t, j0, std::min({t.key_hi, (s + 1) * kSplitKeys, j0 + kAheadRows}), src);
+}
+
 // Per-thread buffers for one tile's split.
 struct Scratch {
   std::vector<float> qt, sc, kbuf, vbuf;
@@ -142,8 +158,10 @@ struct Scratch {
 };
 
 // Split s of the tile (NV vectors of lanes): m[NV * W], l[NV * W], o[D * NV * W] (lane-minor).
+// next_k[0..next_n): the first key rows of the unit this thread computes next, asked for while the values are read.
 template <int NV, class C>
-void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, float* m, float* l, float* o) {
+void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, float* m, float* l, float* o,
+                 const C* const* next_k = nullptr, int64_t next_n = 0) {
   const int64_t j0 = std::max(t.key_lo, s * kSplitKeys), j1 = std::min(t.key_hi, (s + 1) * kSplitKeys), n = j1 - j0;
   if (n <= 0) {
     for (int v = 0; v < NV; ++v) VT::store(m + v * W, VT::set1(-INFINITY)), VT::store(l + v * W, VT::zero());
@@ -151,8 +169,11 @@ void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, flo
     return;
   }
   // a decode tile (one row, its lanes the query heads of the KV head): keys in the vector lanes, rows copied
-  const bool by_key = NV == 1 && t.one_row && t.lanes <= 8;
-  key_rows(a, a.k, t, j0, j1, w.kbuf.data(), w.krows.data(), by_key);
+  const bool by_key = NV == 1 && decode_tile(t);
+  const C *ksrc[kSplitKeys], *vsrc[kSplitKeys];
+  row_sources(a, a.k, t, j0, j1, ksrc);
+  row_sources(a, a.v, t, j0, j1, vsrc);
+  key_rows(a, ksrc, n, w.kbuf.data(), w.krows.data(), by_key, vsrc, by_key ? std::min(n, kAheadRows) : 0);
   if (by_key) scores_by_key(t.lanes, w.qt.data(), a.D, w.krows.data(), n, a.scale, a.softcap, w.sc.data());
   else scores<NV>(w.qt.data(), a.D, w.krows.data(), n, j0, t, a.scale, a.softcap, w.sc.data());
   float* sc = w.sc.data();
@@ -169,7 +190,7 @@ void split_state(const AttnArgs<C>& a, const Tile& t, int64_t s, Scratch& w, flo
     VT::store(m + v * W, mx);
     VT::store(l + v * W, sum);
   }
-  key_rows(a, a.v, t, j0, j1, w.vbuf.data(), w.vrows.data(), by_key);
+  key_rows(a, vsrc, n, w.vbuf.data(), w.vrows.data(), by_key, next_k, next_n);
   if (NV == 1 && t.lanes * 2 <= W) {   // a decode tile: half of the lanes or fewer in use
     pv_by_dim(sc, w.vrows.data(), n, a.D, t.lanes, o);
     return;
@@ -237,14 +258,18 @@ void init_state(float* tot, int64_t D) {
 }
 
 // One tile, every split in turn, merged: the output rows.
+// after: the thread's next unit (tile, split), or nullptr.
 template <int NV, class C>
 void tile_all(const AttnArgs<C>& a, const Tile& t, int64_t first, int64_t count, Scratch& w, float* st, float* tot,
-              float* out) {
+              float* out, const Tile* after, int64_t after_split) {
   const int64_t D = a.D;
   load_queries<NV>(a, t, w.qt.data());
   init_state<NV>(tot, D);
+  const C* next_k[kAheadRows];
   for (int64_t s = 0; s < count; ++s) {
-    split_state<NV>(a, t, first + s, w, st, st + NV * W, st + 2 * NV * W);
+    const int64_t next_n = s + 1 < count ? first_keys(a, t, first + s + 1, next_k)
+                           : after ? first_keys(a, *after, after_split, next_k) : 0;
+    split_state<NV>(a, t, first + s, w, st, st + NV * W, st + 2 * NV * W, next_k, next_n);
     merge<NV>(tot, tot + NV * W, tot + 2 * NV * W, st, st + NV * W, st + 2 * NV * W, D);
   }
   finish<NV>(a, t, tot, tot + NV * W, tot + 2 * NV * W, out);
@@ -275,17 +300,28 @@ void run(const AttnArgs<C>& a, const std::vector<Tile>& tiles, bool split_items,
     Scratch w;
     w.reserve(D);
     std::vector<float> st(rec_max), tot(rec_max);
-    for (int64_t k; (k = next.fetch_add(1)) < items;) {
+    const auto unit = [&](int64_t k) {   // item k's tile and (first) split
+      if (!split_items) return std::pair<int64_t, int64_t>(order[k], first_split[order[k]]);
+      const int64_t ti = std::upper_bound(item_base.begin(), item_base.end(), k) - item_base.begin() - 1;
+      return std::pair<int64_t, int64_t>(ti, first_split[ti] + (k - item_base[ti]));
+    };
+    // the next item is claimed before the current one runs, so its first rows can be asked for meanwhile
+    for (int64_t k = next.fetch_add(1), k2; k < items; k = k2) {
+      k2 = next.fetch_add(1);
+      const auto [ti, split] = unit(k);
+      const auto [ti2, split2] = k2 < items ? unit(k2) : std::pair<int64_t, int64_t>(-1, 0);
+      const Tile* after = ti2 >= 0 ? &tiles[ti2] : nullptr;
       if (split_items) {   // item k: a split of some tile
-        const int64_t ti = std::upper_bound(item_base.begin(), item_base.end(), k) - item_base.begin() - 1;
         float* r = partial.data() + k * rec;
+        const C* next_k[kAheadRows];
+        const int64_t next_n = after ? first_keys(a, *after, split2, next_k) : 0;
         load_queries<1>(a, tiles[ti], w.qt.data());
-        split_state<1>(a, tiles[ti], first_split[ti] + (k - item_base[ti]), w, r, r + W, r + 2 * W);
+        split_state<1>(a, tiles[ti], split, w, r, r + W, r + 2 * W, next_k, next_n);
         continue;
       }
-      const int64_t ti = order[k];
-      if (tiles[ti].lanes <= W) tile_all<1>(a, tiles[ti], first_split[ti], nsplit[ti], w, st.data(), tot.data(), out);
-      else tile_all<kMaxVecs>(a, tiles[ti], first_split[ti], nsplit[ti], w, st.data(), tot.data(), out);
+      if (tiles[ti].lanes <= W)
+        tile_all<1>(a, tiles[ti], split, nsplit[ti], w, st.data(), tot.data(), out, after, split2);
+      else tile_all<kMaxVecs>(a, tiles[ti], split, nsplit[ti], w, st.data(), tot.data(), out, after, split2);
     }
   });
   if (!split_items) return;
