@@ -137,9 +137,10 @@ def server_sharing_model(server, embedding_model: str = "", http_port: int = 0, 
         s.stop()
 
 
-def prefill_hidden(model, ids: list[int], backend=None):
+def prefill_hidden(model, ids: list[int], backend=None, kv_dtype=None):
     """Final hidden states ``[T, hidden]`` of one prefill of ``ids`` through a pagedserve model (``backend``, torch
-    attention by default, a fresh KV cache of the model's (rank's) heads, block size 16), under inference mode."""
+    attention by default, a fresh KV cache of the model's (rank's) heads, block size 16, in ``kv_dtype``: float32 by
+    default), under inference mode."""
     import torch
 
     from pagedserve.attention.base import AttentionMetadata
@@ -148,7 +149,8 @@ def prefill_hidden(model, ids: list[int], backend=None):
 
     T, bs = len(ids), 16
     nb = -(-T // bs)
-    kv = allocate_kv_caches(model.num_layers, nb, bs, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    kv = allocate_kv_caches(model.num_layers, nb, bs, model.num_kv_heads, model.head_dim, kv_dtype or torch.float32,
+                            "cpu")
     i32 = dict(dtype=torch.int32)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(T), block_tables=torch.arange(nb, **i32)[None],

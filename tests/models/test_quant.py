@@ -124,13 +124,13 @@ def _fixed_text_ids(tokenizer) -> list[int]:
 
 
 @torch.inference_mode()
-def _teacher_forced(model, ids: list[int], backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _teacher_forced(model, ids: list[int], backend=None, kv_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-1 predictions ``[T-1]``, next-token NLL ``[T-1]``) of one prefill over ``ids`` (torch attention unless
-    ``backend``)."""
+    ``backend``; a float32 KV cache unless ``kv_dtype``)."""
     from support import prefill_hidden
 
     T = len(ids)
-    hidden = prefill_hidden(model, ids, backend)[:-1]
+    hidden = prefill_hidden(model, ids, backend, kv_dtype)[:-1]
     targets = torch.tensor(ids[1:])
     top1, nll = [], []
     for s in range(0, T - 1, 256):
@@ -146,7 +146,7 @@ def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     perplexity is within 1%. One prefill: "as built" the defaults (two-level int8 activations at every call: the
     VNNI panels where the CPU has AVX-512 VNNI, AMX tiles from 16 tokens where it has AMX-INT8, else the AVX2
     panels); "served" the same through the attention backend an engine selects for it (the cpu backend: the
-    batch-invariant float32 paged-attention kernel for every row); "int8 x2" the AVX2/AVX-VNNI panels alone (AMX
+    batch-invariant float32 paged-attention kernel for every row) and its KV cache (auto: float16 for a GGUF model); "int8 x2" the AVX2/AVX-VNNI panels alone (AMX
     and VNNI off); "dq gemm" the float32 GEMM of the decoded weights from 64 tokens (no choice takes it now: the
     baseline); "vnni x2" the VNNI panels alone."""
     from pagedserve.config import EngineConfig
@@ -160,11 +160,12 @@ def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
         pytest.skip("the own CPU kernels did not load: no int8 activations, no GEMM path")
     if path == "vnni x2" and not vnni_available():
         pytest.skip("the CPU lacks AVX-512 VNNI")
-    backend = None
-    if path == "served":
+    backend = kv_dtype = None
+    if path == "served":   # and its KV cache: float16 for a GGUF model (auto)
         engine, info = build_engine(EngineConfig(device="cpu", num_kv_blocks=8), model=llm_int4, tokenizer=tokenizer,
                                     hf_config=cfg)
-        backend = engine.executor.worker.runner.backend
+        backend, kv_dtype = engine.executor.worker.runner.backend, engine.executor.worker.kv_dtype
+        assert kv_dtype == torch.float16 and info.kv_cache_dtype == "float16"
         assert info.prefill_attention_dtype is None and info.batch_invariant
         assert info.kernels.startswith("linears: int8 activations x2") and "batch-invariant" in info.kernels
     use_amx(llm_int4, llm_int4.amx_min_tokens if path in ("as built", "served") else 0)
@@ -172,7 +173,7 @@ def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     use_vnni(llm_int4, {"as built": llm_int4.vnni_max_tokens, "served": llm_int4.vnni_max_tokens,
                         "vnni x2": 1 << 20}.get(path, 0))
     try:
-        top_q, nll_q = _teacher_forced(llm_int4, ids, backend)
+        top_q, nll_q = _teacher_forced(llm_int4, ids, backend, kv_dtype)
     finally:
         use_amx(llm_int4, llm_int4.amx_min_tokens)
         use_dequantized_gemm(llm_int4, llm_int4.dq_min_tokens)

@@ -23,16 +23,17 @@ def allocate_layer_kv_caches(layout, num_blocks: int, block_size: int, num_kv_he
     return [caches[slot] for slot in layout.layer_slot]
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's element type for ``EngineConfig.kv_cache_dtype`` ``name``: "auto" is ``model_dtype``,
-    otherwise ``torch.<name>``.
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, gguf: bool = False) -> torch.dtype:
+    """The KV cache's element type for ``EngineConfig.kv_cache_dtype`` ``name``: "auto" is ``model_dtype``, but
+    float16 for a float32 model read from a GGUF file on CPU (``gguf``: llama.cpp's default cache type, half the
+    bytes a decode step's attention reads); otherwise ``torch.<name>``.
 
     Raises:
         ValueError: naming kv_cache_dtype, a type other than ``model_dtype`` on a non-CPU device (the CUDA kernels
             read and write the cache in the model's dtype only).
     """
     if name == "auto":
-        return model_dtype
+        return torch.float16 if gguf and device.type == "cpu" and model_dtype == torch.float32 else model_dtype
     dtype = getattr(torch, name)
     if dtype != model_dtype and device.type != "cpu":
         raise ValueError(f"kv_cache_dtype: {name} differs from the model dtype {str(model_dtype).removeprefix('torch.')}; a cache "
