@@ -8,7 +8,8 @@ from ..attention.base import AttentionMetadata
 from ..config import EngineConfig
 from .kv_tensors import allocate_kv_caches, kv_cache_dtype
 
-# 2 GiB (46,592 tokens of the embedded model's float32 K/V; vLLM CPU's VLLM_CPU_KVCACHE_SPACE in the comparison).
+# 2 GiB (93,200 tokens of the embedded model's float16 K/V, 46,592 in float32; vLLM CPU's VLLM_CPU_KVCACHE_SPACE in
+# the comparison).
 # Against 1 GiB it served 32 streams of 1,024-token prompts at 60.2 vs 56.0 out tok/s, TTFT p50 2.7 vs 12.3 s
 # (bench/README.md). Zeroed up front (allocate_kv_caches): a calloc'd cache committed on first write was tried, but
 # first-touch faults cost ~0.9 ms per MB on the 2-core VM (400 MB: 357 ms first, 23 ms again), ~40 ms on the TTFT of
