@@ -66,8 +66,9 @@ class EngineConfig:
             int8, others dequantized; an HF checkpoint stays unquantized). Activations stay in ``dtype`` around
             the kernels (see ``linear_kernels``; on CUDA the weights are dequantized, with a log line).
         kv_cache_dtype: element type of the paged KV cache (vLLM's ``--kv-cache-dtype``): "auto" is ``dtype``, but
-            float16 for a float32 model read from a GGUF file on CPU (llama.cpp's default cache type); "float32"
-            keeps such a model's cache in float32. "float16" or "bfloat16" halve the cache of a float32 model
+            float16 for a float32 model on CPU that runs a GGUF file's quantized weights as stored (llama.cpp's
+            default cache type; ``quantization="none"`` keeps ``dtype``); "float32" keeps such a model's cache in
+            float32. "float16" or "bfloat16" halve the cache of a float32 model
             (twice the blocks for the same ``kv_cache_memory_bytes``, half the bytes each decode step's attention
             reads). K/V rows are rounded to it when written (round to nearest even) and widened exactly when read;
             attention math stays in float32.

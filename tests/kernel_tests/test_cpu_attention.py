@@ -220,12 +220,12 @@ def test_float16_kv_cache_engine(llm_parts):
                          "Explain what a compiler does.", "List three colors.")]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
     runs = {}
-    for kv in ("auto", "float16"):
+    for kv in ("float32", "float16"):
         config = EngineConfig(device="cpu", dtype="float32", attention_backend="cpu", kv_cache_dtype=kv,
                               kv_cache_memory_bytes=32 << 20, enforce_eager=True)
         engine, info = build_engine(config, model=model, tokenizer=tokenizer, hf_config=cfg)
         runs[kv] = (info, engine.executor.worker.runner.kv_caches[0][0].dtype, _greedy(engine, prompts, 16))
-    (info32, dtype32, out32), (info16, dtype16, out16) = runs["auto"], runs["float16"]
+    (info32, dtype32, out32), (info16, dtype16, out16) = runs["float32"], runs["float16"]
     assert (dtype32, dtype16) == (torch.float32, torch.float16)
     assert (info32.kv_cache_dtype, info16.kv_cache_dtype) == ("float32", "float16")
     assert info16.kv_block_bytes * 2 == info32.kv_block_bytes
@@ -242,26 +242,27 @@ def test_kv_cache_dtype_is_checked():
         EngineConfig(kv_cache_dtype="fp4")
     assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     assert kv_cache_dtype("bfloat16", torch.float32, torch.device("cpu")) == torch.bfloat16
-    # auto: the model's dtype, but float16 for a float32 model from a GGUF file on CPU (llama.cpp's default)
-    assert kv_cache_dtype("auto", torch.float32, torch.device("cpu")) == torch.float32
-    assert kv_cache_dtype("auto", torch.float32, torch.device("cpu"), gguf=True) == torch.float16
-    assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cpu"), gguf=True) == torch.bfloat16
-    assert kv_cache_dtype("auto", torch.float32, torch.device("cuda"), gguf=True) == torch.float32
-    assert kv_cache_dtype("float32", torch.float32, torch.device("cpu"), gguf=True) == torch.float32
+    # auto: the model's dtype, but float16 for a float32 model on CPU running a GGUF's quantized weights (llama.cpp's)
+    cpu = torch.device("cpu")
+    assert kv_cache_dtype("auto", torch.float32, cpu) == torch.float32
+    assert kv_cache_dtype("auto", torch.float32, cpu, gguf_quantized=True) == torch.float16
+    assert kv_cache_dtype("auto", torch.bfloat16, cpu, gguf_quantized=True) == torch.bfloat16
+    assert kv_cache_dtype("auto", torch.float32, torch.device("cuda"), gguf_quantized=True) == torch.float32
+    assert kv_cache_dtype("float32", torch.float32, cpu, gguf_quantized=True) == torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype: float16 differs from the model dtype float32; .* CPU only"):
         kv_cache_dtype("float16", torch.float32, torch.device("cuda"))
 
 
 @pytest.mark.e2e   # the session server; the rest of this module is kernel-level
 def test_model_info_reports_the_kv_cache_dtype(server, client):
-    """GetModelInfo.generation.kv_cache_dtype is the cache's element type (the session server, the embedded GGUF:
-    auto -> float16), and the KV layout it reports (SmolLM2-135M: 30 layers, 3 KV heads of 64, no window, dense)
-    gives kv_block_bytes."""
+    """GetModelInfo.generation.kv_cache_dtype is the cache's element type (the session server, the embedded GGUF
+    dequantized with quantization="none": auto -> float32), and the KV layout it reports (SmolLM2-135M: 30 layers, 3
+    KV heads of 64, no window, dense) gives kv_block_bytes."""
     info = client.model_info().generation
-    assert info.kv_cache_dtype == "float16"
+    assert info.kv_cache_dtype == "float32"
     assert (info.num_layers, info.num_kv_heads, info.head_dim) == (30, 3, 64)
     assert list(info.sliding_windows) == [] and (info.num_experts, info.num_experts_per_token) == (0, 0)
-    assert info.kv_block_bytes == info.block_size * 2 * 30 * 3 * 64 * 2
-    assert server.engine.executor.worker.runner.kv_caches[0][0].dtype == torch.float16
+    assert info.kv_block_bytes == info.block_size * 2 * 30 * 3 * 64 * 4
+    assert server.engine.executor.worker.runner.kv_caches[0][0].dtype == torch.float32
     if info.attention_backend == "cpu" and cpu_decode_kernel_available():   # README, "Deterministic outputs"
         assert info.batch_invariant and "attention: batch-invariant paged attention" in info.kernels

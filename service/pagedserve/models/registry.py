@@ -96,7 +96,8 @@ def build_model(source: ModelSource, config, dtype: torch.dtype, device: torch.d
     model = model.to(device).eval()
     model.requires_grad_(False)
     model.linear_kernels, model.a8_min_tokens, model.a8_levels, model.dq_min_tokens = "torch", 0, 0, 0
-    model.from_gguf = source.gguf_file is not None   # the KV cache's auto dtype (worker.kv_tensors.kv_cache_dtype)
+    # a GGUF file's quantized weights as stored: the KV cache's auto dtype is float16 (kv_tensors.kv_cache_dtype)
+    model.gguf_quantized = source.gguf_file is not None and plan is not None
     model.amx_min_tokens = model.vnni_max_tokens = 0
     model.batch_invariant, model.linear_path = False, "torch"
     if own_kernels:

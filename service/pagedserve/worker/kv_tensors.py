@@ -23,17 +23,20 @@ def allocate_layer_kv_caches(layout, num_blocks: int, block_size: int, num_kv_he
     return [caches[slot] for slot in layout.layer_slot]
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device, gguf: bool = False) -> torch.dtype:
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
+                   gguf_quantized: bool = False) -> torch.dtype:
     """The KV cache's element type for ``EngineConfig.kv_cache_dtype`` ``name``: "auto" is ``model_dtype``, but
-    float16 for a float32 model read from a GGUF file on CPU (``gguf``: llama.cpp's default cache type, half the
-    bytes a decode step's attention reads); otherwise ``torch.<name>``.
+    float16 for a float32 model on CPU that runs a GGUF file's quantized weights as stored (``gguf_quantized``:
+    llama.cpp's default cache type, half the bytes a decode step's attention reads; a GGUF model dequantized with
+    ``quantization="none"`` keeps ``model_dtype``); otherwise ``torch.<name>``.
 
     Raises:
         ValueError: naming kv_cache_dtype, a type other than ``model_dtype`` on a non-CPU device (the CUDA kernels
             read and write the cache in the model's dtype only).
     """
     if name == "auto":
-        return torch.float16 if gguf and device.type == "cpu" and model_dtype == torch.float32 else model_dtype
+        cpu_f32 = device.type == "cpu" and model_dtype == torch.float32
+        return torch.float16 if gguf_quantized and cpu_f32 else model_dtype
     dtype = getattr(torch, name)
     if dtype != model_dtype and device.type != "cpu":
         raise ValueError(f"kv_cache_dtype: {name} differs from the model dtype {str(model_dtype).removeprefix('torch.')}; a cache "

@@ -42,7 +42,7 @@ class Worker:
         check_features(backend, getattr(model, "attention_features", dict)())
         self.backend = backend
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype or model.norm.dtype, self.device,
-                                       gguf=getattr(model, "from_gguf", False))
+                                       gguf_quantized=getattr(model, "gguf_quantized", False))
         self.kv_layout = kv_layout_of(model)   # KV layer groups: one block table per group (hybrid models)
         self.block_bytes = kv_block_bytes(self.kv_layout.layers_per_group, config.block_size, model.num_kv_heads,
                                           model.head_dim, self.kv_dtype)
