@@ -138,7 +138,9 @@ def main(argv=None) -> int:
     assert len(engine.scheduler.running) == args.running, "requests finished early; raise max_tokens"
     print(f"fused decode stack: {'on' if engine.executor.model.fused_decode is not None else 'off'} (available: "
           f"{'yes' if fused else 'no'})")
-    print(f"dtype {args.dtype}, KV cache {args.kv_cache_dtype}; " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    kv = str(engine.executor.worker.kv_dtype).removeprefix("torch.")
+    print(f"dtype {args.dtype}, KV cache {args.kv_cache_dtype} ({kv}); "
+          + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(f"{args.running} running, {args.prompt_tokens}-token prompts, temperature {args.temperature}, "
           f"top-p {args.top_p}, top-k {args.top_k}: {wall / args.steps * 1e3:.1f} ms per decode step")
     for label, seconds in totals.most_common():
