@@ -68,10 +68,9 @@ class EngineConfig:
         kv_cache_dtype: element type of the paged KV cache (vLLM's ``--kv-cache-dtype``): "auto" is ``dtype``, but
             float16 for a float32 model on CPU that runs a GGUF file's quantized weights as stored (llama.cpp's
             default cache type; ``quantization="none"`` keeps ``dtype``); "float32" keeps such a model's cache in
-            float32. "float16" or "bfloat16" halve the cache of a float32 model
-            (twice the blocks for the same ``kv_cache_memory_bytes``, half the bytes each decode step's attention
-            reads). K/V rows are rounded to it when written (round to nearest even) and widened exactly when read;
-            attention math stays in float32.
+            float32. "float16" or "bfloat16" halve the cache of a float32 model (twice the blocks for the same
+            ``kv_cache_memory_bytes``, half the bytes each decode step's attention reads). K/V rows are rounded to
+            it when written (round to nearest even) and widened exactly when read; attention math stays in float32.
             A cache type other than ``dtype`` is supported on CPU only (ValueError on CUDA).
         quant_group_size: weights per int4 scale/zero along the input dimension when quantizing at load
             (32, 64 or 128); GGUF blocks keep their own (32).
