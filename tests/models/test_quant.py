@@ -147,9 +147,8 @@ def test_int4_teacher_forced_top1_and_perplexity(llm_int4, llm_parts, path):
     VNNI panels where the CPU has AVX-512 VNNI, AMX tiles from 16 tokens where it has AMX-INT8, else the AVX2
     panels); "served" the same through the attention backend an engine selects for it (the cpu backend: the
     batch-invariant float32 paged-attention kernel for every row) and its KV cache (auto: float16 for a GGUF
-    model); "int8 x2" the AVX2/AVX-VNNI panels alone (AMX
-    and VNNI off); "dq gemm" the float32 GEMM of the decoded weights from 64 tokens (no choice takes it now: the
-    baseline); "vnni x2" the VNNI panels alone."""
+    model); "int8 x2" the AVX2/AVX-VNNI panels alone (AMX and VNNI off); "dq gemm" the float32 GEMM of the decoded
+    weights from 64 tokens (no choice takes it now: the baseline); "vnni x2" the VNNI panels alone."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.builder import build_engine
     from pagedserve.models.cpu_linear import (DQ_MIN_TOKENS, use_amx, use_dequantized_gemm, use_vnni,
